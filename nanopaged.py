@@ -1,0 +1,705 @@
+"""
+nanopaged.py: a paged KV cache inference engine you can read in one sitting.
+
+What it teaches: how an LLM server manages the memory that holds every request's keys and values.
+The KV cache is cut into fixed-size blocks, like pages of virtual memory; each sequence has a block
+table mapping its logical blocks to physical ones. That one indirection buys:
+  - no reservation: a sequence takes a block only when it fills the last one (little waste);
+  - sharing: requests with the same prefix point at the same blocks (prefix caching, through a
+    hash chain), samples of one prompt share its blocks (fork), counted by ref_count;
+  - copy-on-write: a shared block is copied only when somebody must write into it;
+  - preemption: when blocks run out, the newest request gives its blocks back and is recomputed.
+
+Read it in the order one request travels:
+  1. SamplingParams, Sequence            what a request is
+  2. BlockManager                        the block pool: allocate, prefix cache, fork, copy-on-write, free
+  3. Scheduler                           which tokens run this step; preemption when blocks run out
+  4. LLM                                 the engine: tensors for the model, sampling, generate()
+  5. command line
+
+    python nanopaged.py                  generate from a few prompts with the default model
+"""
+import argparse
+import bisect
+import itertools
+import math
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+# ----------------------------------------------------------------------------------------------
+# 1. What a request is
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0   # 0: greedy (argmax)
+    top_p: float = 1.0         # keep the smallest set of tokens whose probability reaches top_p
+    top_k: int = 0             # keep the k most likely tokens; 0: all
+    max_tokens: int = 16
+    n: int = 1                 # samples of one prompt; they share the prompt's blocks
+    ignore_eos: bool = False
+    seed: int | None = None    # None: derived from the engine's seed and the request id
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 keeps all tokens), got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One stream of tokens: a prompt and what was generated after it. n>1 sampling makes n of them,
+    one request (request_id) that is preempted as a whole."""
+    _ids = itertools.count()
+
+    def __init__(self, token_ids, params=None, request_id=None):
+        self.seq_id = next(Sequence._ids)
+        self.request_id = self.seq_id if request_id is None else request_id
+        self.params = params or SamplingParams()
+        self.status = SequenceStatus.WAITING
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.num_computed_tokens = 0   # tokens whose K/V are in the cache (computed or found there)
+        self.num_cached_tokens = 0     # of those, found in the prefix cache at the last allocate
+        self.block_table = []          # physical block ids, one per block_size tokens
+        self.block_hashes = []         # hash chain over this sequence's full blocks (see BlockManager)
+        self.finish_reason = None      # "stop" (eos) or "length" (max_tokens)
+        self.arrival_time, self.first_token_time, self.finish_time = time.perf_counter(), None, None
+
+    def __len__(self):
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self):
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def append_token(self, token_id):
+        self.token_ids.append(token_id)
+
+    def __repr__(self):
+        return f"Sequence(seq_id={self.seq_id}, len={len(self)}, block_table={self.block_table})"
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. The block pool
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0                 # live block tables that hold this block
+    hash: int | None = None            # set while the block is registered in the prefix cache
+    parent_hash: int | None = None     # the previous block's hash in the chain (checked on a hit)
+    token_ids: tuple = ()              # the block's tokens (checked on a hit)
+
+
+class BlockManager:
+    """Hands out blocks of the KV cache pool. Three kinds of block at any moment:
+    used (ref_count > 0), cached (ref_count 0 but registered in the prefix cache: its K/V may be
+    reused until it is evicted) and free. Allocate and free are O(1)."""
+
+    def __init__(self, num_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=True):
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two (1, 2, 4, ... 16 ...), got {block_size}")
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_cpu_blocks = num_cpu_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_block_ids = deque(range(num_blocks))   # truly free: nothing worth keeping inside
+        self.cached_block_ids = OrderedDict()            # ref_count 0, registered; least recently freed first
+        self.hash_to_block_id = {}                       # the prefix cache: chain hash -> block id
+        self.seqs = {}                                   # seq_id -> Sequence, every sequence holding blocks
+        # metrics, counted as they happen (DESIGN.md names)
+        self.prefix_cache_queries = self.prefix_cache_hits = 0   # in tokens
+        self.num_cow_copies = self.num_evictions = 0
+
+    # -- the hash chain: h[i] = H(h[i-1], tokens of block i), so equal hashes mean equal prefixes
+    #    (up to collisions, which the token and parent checks in _lookup catch)
+
+    @staticmethod
+    def compute_hash(parent_hash, token_ids):
+        return hash((parent_hash, tuple(token_ids)))   # ints and tuples hash the same in every run
+
+    def _block_hash(self, seq, i):
+        """Hash of seq's full block i, computed once and kept on the sequence."""
+        while len(seq.block_hashes) <= i:
+            j = len(seq.block_hashes)
+            parent = seq.block_hashes[j - 1] if j else None
+            seq.block_hashes.append(self.compute_hash(parent, seq.token_ids[j * self.block_size:(j + 1) * self.block_size]))
+        return seq.block_hashes[i]
+
+    def _lookup(self, seq, i):
+        """The block holding seq's full block i in the prefix cache, or None. A hit must match the
+        tokens and the parent hash too, so a hash collision never hands out another prefix's K/V."""
+        block_id = self.hash_to_block_id.get(self._block_hash(seq, i))
+        if block_id is None:
+            return None
+        block = self.blocks[block_id]
+        tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+        parent = seq.block_hashes[i - 1] if i else None
+        return block if block.token_ids == tokens and block.parent_hash == parent else None
+
+    def _num_hittable_blocks(self, seq):
+        # the last token is always computed (its logits are needed), so the block holding it cannot hit
+        return (len(seq) - 1) // self.block_size if self.enable_prefix_caching else 0
+
+    def _cache_hits(self, seq):
+        hits = []
+        for i in range(self._num_hittable_blocks(seq)):
+            block = self._lookup(seq, i)
+            if block is None:
+                break   # a chain: after the first miss no later block can be this prefix's
+            hits.append(block)
+        return hits
+
+    # -- taking and returning single blocks
+
+    @property
+    def num_free_blocks(self):
+        """Blocks allocatable now: truly free ones plus cached ones nobody holds (evictable)."""
+        return len(self.free_block_ids) + len(self.cached_block_ids)
+
+    def _take_free_block(self):
+        if self.free_block_ids:
+            block = self.blocks[self.free_block_ids.popleft()]
+        else:   # evict the cached block freed longest ago: its K/V are lost to the prefix cache
+            block = self.blocks[self.cached_block_ids.popitem(last=False)[0]]
+            del self.hash_to_block_id[block.hash]
+            block.hash, block.parent_hash, block.token_ids = None, None, ()
+            self.num_evictions += 1
+        block.ref_count = 1
+        return block.block_id
+
+    def _hold(self, block):
+        if block.ref_count == 0:   # a cached block comes back to life
+            del self.cached_block_ids[block.block_id]
+        block.ref_count += 1
+
+    def _release(self, block):
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.hash is not None:
+                self.cached_block_ids[block.block_id] = None    # most recently freed: evicted last
+            else:
+                self.free_block_ids.append(block.block_id)
+
+    # -- whole sequences
+
+    def _num_blocks_for(self, num_tokens):
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    def can_allocate(self, seq, watermark=0):
+        """Would allocate(seq) leave more than `watermark` blocks free? Hits on cached (unheld)
+        blocks take them out of the free count too; hits on held blocks cost nothing."""
+        hits_on_held = sum(1 for b in self._cache_hits(seq) if b.ref_count > 0)
+        return self.num_free_blocks - (self._num_blocks_for(len(seq)) - hits_on_held) >= watermark
+
+    def allocate(self, seq):
+        """Give seq blocks for all its tokens: prefix-cache hits first, fresh blocks for the rest."""
+        assert not seq.block_table, f"seq {seq.seq_id} already holds blocks"
+        hits = self._cache_hits(seq)
+        for block in hits:
+            self._hold(block)
+        seq.block_table = [b.block_id for b in hits]
+        seq.block_table += [self._take_free_block() for _ in range(self._num_blocks_for(len(seq)) - len(hits))]
+        seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += len(seq)
+            self.prefix_cache_hits += seq.num_cached_tokens
+        self.seqs[seq.seq_id] = seq
+
+    def _needs_new_block(self, seq):
+        # the next step writes the K/V of seq's last token; its block may not exist yet
+        return (len(seq) - 1) // self.block_size == len(seq.block_table)
+
+    def _needs_copy(self, seq):
+        # ... or exist but be shared, and a block with ref_count > 1 is never written
+        return not self._needs_new_block(seq) and self.blocks[seq.block_table[-1]].ref_count > 1
+
+    def can_append(self, seq):
+        """Can append_slot(seq) get the block it needs (a new one, or a copy of a shared last block)?"""
+        return self.num_free_blocks >= 1 or not (self._needs_new_block(seq) or self._needs_copy(seq))
+
+    def append_slot(self, seq):
+        """Make sure the slot of seq's last token exists and may be written. Returns (src, dst)
+        when a shared block had to be copied first (copy-on-write), else None."""
+        if self._needs_new_block(seq):
+            seq.block_table.append(self._take_free_block())
+        elif self._needs_copy(seq):   # shared and partly filled: this writer gets its own copy
+            src = self.blocks[seq.block_table[-1]]
+            dst = self._take_free_block()
+            self._release(src)
+            seq.block_table[-1] = dst
+            self.num_cow_copies += 1
+            return src.block_id, dst
+        return None
+
+    def fork(self, parent, child):
+        """child shares every block of parent: no K/V is copied, each block's ref_count goes up."""
+        for block_id in parent.block_table:
+            self._hold(self.blocks[block_id])
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+        self.seqs[child.seq_id] = child
+
+    def free(self, seq):
+        """Drop seq's hold on its blocks, tail first: the tail is freed earlier, so evicted before the
+        prefix, which other requests are likelier to share."""
+        for block_id in reversed(seq.block_table):
+            self._release(self.blocks[block_id])
+        seq.block_table = []
+        self.seqs.pop(seq.seq_id, None)
+
+    def cache_full_blocks(self, seq):
+        """Register seq's blocks that are full and computed in the prefix cache (called after a step).
+        Only then may another request reuse them: their K/V are in place and will never change."""
+        if not self.enable_prefix_caching:
+            return
+        for i in range(seq.num_computed_tokens // self.block_size):
+            block = self.blocks[seq.block_table[i]]
+            h = self._block_hash(seq, i)
+            if block.hash is None and h not in self.hash_to_block_id:
+                block.hash, block.parent_hash = h, seq.block_hashes[i - 1] if i else None
+                block.token_ids = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+                self.hash_to_block_id[h] = block.block_id
+
+    # -- the rules, checked
+
+    def check_invariants(self):
+        """Raises AssertionError naming the broken rule (DESIGN.md, block manager rules)."""
+        holders = [0] * self.num_blocks
+        for seq in self.seqs.values():
+            for block_id in seq.block_table:
+                holders[block_id] += 1
+        for block in self.blocks:
+            assert block.ref_count == holders[block.block_id], \
+                f"ref_count: block {block.block_id} has ref_count {block.ref_count} but {holders[block.block_id]} block tables hold it"
+        free, cached = set(self.free_block_ids), set(self.cached_block_ids)
+        used = {b.block_id for b in self.blocks if b.ref_count > 0}
+        assert len(free) == len(self.free_block_ids), "partition: a block is twice in the free pool"
+        assert not (free & cached) and not (free & used) and not (cached & used), \
+            f"partition: blocks in two states: free&cached {free & cached}, free&used {free & used}, cached&used {cached & used}"
+        assert len(free) + len(cached) + len(used) == self.num_blocks, "partition: some block is in no state"
+        assert all(self.blocks[b].hash is not None for b in cached), "cached: a cached block has no hash"
+        assert all(self.blocks[b].hash is None for b in free), "free: a free block still carries a hash"
+        for h, block_id in self.hash_to_block_id.items():
+            block = self.blocks[block_id]
+            assert block.hash == h and self.compute_hash(block.parent_hash, block.token_ids) == h, \
+                f"hash map: hash {h} points at block {block_id} whose tokens do not hash to it"
+        assert sum(b.hash is not None for b in self.blocks) == len(self.hash_to_block_id), \
+            "hash map: a block carries a hash the map does not know"
+        for seq in self.seqs.values():
+            for i, block_id in enumerate(seq.block_table):
+                block = self.blocks[block_id]
+                assert block.hash is None or block.token_ids == tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size]), \
+                    f"tokens: seq {seq.seq_id} block {i} (physical {block_id}) holds other tokens than the sequence"
+            assert len(seq.block_table) == self._num_blocks_for(len(seq)) or \
+                len(seq.block_table) == self._num_blocks_for(len(seq) - 1), \
+                f"block table: seq {seq.seq_id} has {len(seq.block_table)} blocks for {len(seq)} tokens"
+
+    # -- what the metrics read
+
+    def num_used_blocks(self):
+        return self.num_blocks - self.num_free_blocks
+
+    def num_stored_tokens(self):
+        """Distinct token slots holding K/V in used blocks: a shared block counts once."""
+        filled = {}
+        for seq in self.seqs.values():
+            for i, block_id in enumerate(seq.block_table):
+                n = min(self.block_size, max(0, seq.num_computed_tokens - i * self.block_size))
+                filled[block_id] = max(filled.get(block_id, 0), n)
+        return sum(filled.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. The scheduler: which tokens run this step
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list = field(default_factory=list)             # sequences that run this step
+    num_new_tokens: list = field(default_factory=list)   # tokens each computes: 1 (decode) or a prefill chunk
+    copies: list = field(default_factory=list)           # (src, dst) blocks to copy before the model runs
+
+    def remove(self, seq):
+        if seq in self.seqs:
+            i = self.seqs.index(seq)
+            del self.seqs[i], self.num_new_tokens[i]
+
+
+class Scheduler:
+    """First come, first served continuous batching. Each step: every running sequence gets its next
+    token (or its next prefill chunk), then waiting prompts are admitted while the token budget,
+    max_num_seqs and free blocks allow. If a running sequence cannot get a block, the most recently
+    arrived running request is preempted: its blocks are freed and it is recomputed later, before
+    any new request."""
+
+    def __init__(self, block_manager, max_num_seqs=256, max_num_batched_tokens=2048, watermark=0.01,
+                 eos_token_ids=()):
+        self.block_manager = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        # admitting a prompt must leave this many blocks free, so that the next step's decodes do
+        # not have to preempt straight away
+        self.watermark_blocks = int(watermark * block_manager.num_blocks)
+        self.waiting = deque()     # FCFS; preempted requests go back to the front
+        self.running = []          # kept in arrival order (request_id, then seq_id)
+        self.finished = []
+        self.num_preemptions = 0   # requests preempted (all their sequences at once)
+
+    def add(self, seq):
+        self.waiting.append(seq)
+
+    def has_unfinished(self):
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        bm, batch = self.block_manager, ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        preempted = False
+        # 1. running sequences, oldest request first: one decode token each, or the next prefill chunk
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            while seq.status is SequenceStatus.RUNNING and not bm.can_append(seq):
+                self._preempt(max(self.running, key=lambda s: s.request_id).request_id, batch)
+                preempted = True
+            if seq.status is not SequenceStatus.RUNNING:
+                continue   # preempted itself: it was the newest request
+            copy = bm.append_slot(seq)
+            if copy is not None:
+                batch.copies.append(copy)
+            self._add_to_batch(batch, seq, budget)
+            budget -= batch.num_new_tokens[-1]
+        # 2. waiting requests in order, unless this step already had to preempt (no room to grow)
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            # with nothing running no decode can be starved, so a request may fill the whole pool
+            if not bm.can_allocate(seq, self.watermark_blocks if self.running else 0):
+                break
+            self.waiting.popleft()
+            bm.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: (s.request_id, s.seq_id))
+            self._add_to_batch(batch, seq, budget)
+            budget -= batch.num_new_tokens[-1]
+        return batch
+
+    def _add_to_batch(self, batch, seq, budget):
+        # a prompt longer than the budget is computed in chunks over several steps (chunked prefill)
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(min(len(seq) - seq.num_computed_tokens, budget))
+
+    def _preempt(self, request_id, batch):
+        """Recompute: free every block of the request (the prefix cache may keep much of it) and put
+        its sequences back at the front of the queue. Its generated tokens stay: they become prompt."""
+        victims = [s for s in self.running if s.request_id == request_id]
+        for seq in victims:
+            self.block_manager.free(seq)
+            self.running.remove(seq)
+            batch.remove(seq)
+            seq.status, seq.num_computed_tokens = SequenceStatus.WAITING, 0
+        # a copy into a block its writer just gave back must not run
+        held = {b for s in self.running for b in s.block_table}
+        batch.copies = [(src, dst) for src, dst in batch.copies if dst in held]
+        self.waiting.extendleft(reversed(victims))
+        self.num_preemptions += 1
+
+    def postprocess(self, batch, sampled):
+        """After the model ran: advance each sequence, register its newly full blocks in the prefix
+        cache, append sampled tokens (forking n>1 samples at their first token), finish sequences.
+        sampled: seq -> list of token ids (n of them at the first sample of an n>1 request)."""
+        bm, now = self.block_manager, time.perf_counter()
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            bm.cache_full_blocks(seq)
+            if seq not in sampled:
+                continue   # in the middle of its prompt: nothing to sample yet
+            tokens = sampled[seq]
+            samples = [seq] + [self._fork(seq) for _ in tokens[1:]]
+            for s, token in zip(samples, tokens):
+                s.append_token(token)
+                s.first_token_time = s.first_token_time or now
+                if token in self.eos_token_ids and not s.params.ignore_eos:
+                    self._finish(s, "stop", now)
+                elif s.num_output_tokens >= s.params.max_tokens:
+                    self._finish(s, "length", now)
+
+    def _fork(self, parent):
+        child = Sequence(parent.token_ids, parent.params, parent.request_id)
+        child.num_prompt_tokens, child.arrival_time = parent.num_prompt_tokens, parent.arrival_time
+        child.status = SequenceStatus.RUNNING
+        self.block_manager.fork(parent, child)
+        bisect.insort(self.running, child, key=lambda s: (s.request_id, s.seq_id))
+        return child
+
+    def _finish(self, seq, reason, now):
+        seq.status, seq.finish_reason, seq.finish_time = SequenceStatus.FINISHED, reason, now
+        self.block_manager.free(seq)
+        self.running.remove(seq)
+        self.finished.append(seq)
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. The engine
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list
+    text: str
+    finish_reason: str   # "stop" (eos) or "length" (max_tokens)
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list
+    outputs: list        # n CompletionOutputs
+    ttft: float          # seconds from arrival to the first token
+    tpot: float          # seconds per output token after the first (mean over the samples)
+
+
+class LLM:
+    """The engine: owns the model, the KV cache pool, the block manager and the scheduler.
+    generate() adds requests and runs step() until they finish; step() is one batch through the model."""
+
+    def __init__(self, model=None, device=None, dtype=None, block_size=16, num_blocks=None, num_cpu_blocks=0,
+                 enable_prefix_caching=True, max_num_seqs=256, max_num_batched_tokens=2048,
+                 max_model_len=None, preemption_mode="auto", seed=0):
+        from model import load_model   # model.py pulls in transformers: only the engine needs it
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two (1, 2, 4, ... 16 ...), got {block_size}")
+        if preemption_mode not in ("recompute", "swap", "auto"):
+            raise ValueError(f"preemption_mode must be 'recompute', 'swap' or 'auto', got {preemption_mode!r}")
+        if preemption_mode == "swap" and num_cpu_blocks == 0:
+            raise ValueError("preemption_mode='swap' needs a CPU pool: pass num_cpu_blocks > 0, or use 'recompute'")
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_seqs and max_num_batched_tokens must be >= 1, got {max_num_seqs}, {max_num_batched_tokens}")
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.model, self.tokenizer, eos_token_ids = load_model(model, self.device, self.dtype, seed)
+        cfg = self.model.config
+        self.max_model_len = max_model_len or cfg.max_position_embeddings
+        # bytes per block = 2 (K and V) * layers * block_size * kv_heads * head_dim * bytes per number
+        bytes_per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        num_blocks = num_blocks or self._default_num_blocks(bytes_per_block)
+        self.kv_cache = torch.zeros(2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                                    dtype=self.dtype, device=self.device)  # (K|V, layers, num_blocks, block_size, kv_heads, head_dim)
+        self.block_manager = BlockManager(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, eos_token_ids=eos_token_ids)
+        self.seed = seed
+        self.request_ids = itertools.count()
+        self.generators = {}   # request_id -> torch.Generator: each request samples from its own stream
+        self.num_steps = self.num_prefill_tokens_computed = self.num_generated_tokens = 0
+
+    def _default_num_blocks(self, bytes_per_block):
+        if self.device.type == "cuda":   # most of what the weights leave free, as vLLM's gpu_memory_utilization
+            budget = 0.8 * torch.cuda.mem_get_info(self.device)[0]
+        else:
+            budget = 1 << 30   # 1 GiB on a CPU
+        return max(1, int(budget // bytes_per_block))
+
+    # -- requests in
+
+    def _validate(self, token_ids, params):
+        """Everything that could go wrong with a request, checked before anything changes."""
+        if not token_ids:
+            raise ValueError("empty prompt: a prompt needs at least one token")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary: ids must be ints in [0, {vocab})")
+        if len(token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                             f"max_model_len ({self.max_model_len})")
+        # worst case: the prompt's full blocks shared, every sample's own blocks at full length
+        bs, total = self.block_manager.block_size, len(token_ids) + params.max_tokens
+        need = len(token_ids) // bs + params.n * (math.ceil(total / bs) - len(token_ids) // bs)
+        if need > self.block_manager.num_blocks:
+            raise ValueError(f"the pool is too small for this request: it may need {need} blocks of {bs} tokens, "
+                             f"the pool has {self.block_manager.num_blocks}; raise num_blocks or lower max_tokens or n")
+
+    def _tokenize(self, prompt):
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer (random weights): pass prompts as lists of token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return list(prompt)
+
+    def add_requests(self, prompts, params=None):
+        """Validate all, then queue all: a bad prompt leaves the engine as it was. Returns request ids."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt")
+        token_lists = [self._tokenize(p) for p in prompts]
+        for token_ids, p in zip(token_lists, params):
+            self._validate(token_ids, p)
+        request_ids = []
+        for token_ids, p in zip(token_lists, params):
+            request_id = next(self.request_ids)
+            seed = p.seed if p.seed is not None else self.seed * 1_000_003 + request_id
+            self.generators[request_id] = torch.Generator().manual_seed(seed)
+            self.scheduler.add(Sequence(token_ids, p, request_id))
+            request_ids.append(request_id)
+        return request_ids
+
+    def generate(self, prompts, params=None):
+        """prompts: a string, a list of strings or a list of token-id lists; params: one for all, or one
+        per prompt. Returns one RequestOutput per prompt, in order."""
+        request_ids = self.add_requests(prompts, params)
+        while self.scheduler.has_unfinished():
+            self.step()
+        return [self._output(r) for r in request_ids]
+
+    def _output(self, request_id):
+        seqs = sorted((s for s in self.scheduler.finished if s.request_id == request_id), key=lambda s: s.seq_id)
+        self.scheduler.finished = [s for s in self.scheduler.finished if s.request_id != request_id]
+        self.generators.pop(request_id)
+        outs = [CompletionOutput(i, s.token_ids[s.num_prompt_tokens:], self._detokenize(s.token_ids[s.num_prompt_tokens:]),
+                                 s.finish_reason) for i, s in enumerate(seqs)]
+        ttft = seqs[0].first_token_time - seqs[0].arrival_time
+        tpot = sum((s.finish_time - s.first_token_time) / max(1, s.num_output_tokens - 1) for s in seqs) / len(seqs)
+        return RequestOutput(request_id, seqs[0].token_ids[:seqs[0].num_prompt_tokens], outs, ttft, tpot)
+
+    def _detokenize(self, token_ids):
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
+
+    # -- one step
+
+    def step(self):
+        """Schedule, copy, run the model on one flat batch, sample, postprocess. Returns the batch."""
+        batch = self.scheduler.schedule()
+        assert batch.seqs, "the scheduler found nothing to run (a request too large for the pool?)"
+        # 1. copy-on-write: copy whole blocks (all layers, K and V) before anybody writes into them
+        if batch.copies:
+            src, dst = (torch.tensor(x, device=self.device) for x in zip(*batch.copies))
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        # 2. the batch as tensors (model.Batch), and which sequences sample a token this step
+        model_batch, samplers = self._prepare(batch)
+        # 3. the model writes every new token's K/V into its slot and returns logits for the samplers
+        logits = self.model(model_batch, self.kv_cache).cpu()   # (num_samplers, vocab)
+        # 4. sampling: n tokens at the first sample of an n>1 request (those fork), else one
+        sampled = {}
+        for seq, row in zip(samplers, logits):
+            n = seq.params.n if seq.num_output_tokens == 0 else 1
+            sampled[seq] = self._sample(row, seq.params, self.generators[seq.request_id], n)
+        # 5. metrics, then the scheduler advances the sequences
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            is_decode = n == 1 and seq.num_output_tokens > 0 and seq.num_computed_tokens == len(seq) - 1
+            self.num_prefill_tokens_computed += 0 if is_decode else n
+        self.num_generated_tokens += sum(len(t) for t in sampled.values())
+        self.scheduler.postprocess(batch, sampled)
+        self.num_steps += 1
+        return batch
+
+    def _prepare(self, batch):
+        from model import Batch
+        bs = self.block_manager.block_size
+        input_ids, positions, slots, query_start_loc, logits_indices, samplers = [], [], [], [0], [], []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens   # this step computes positions [start, start + n)
+            input_ids += seq.token_ids[start:start + n]
+            positions += range(start, start + n)
+            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            query_start_loc.append(query_start_loc[-1] + n)
+            if start + n == len(seq):   # the chunk reaches the last token: its logits pick the next one
+                logits_indices.append(query_start_loc[-1] - 1)
+                samplers.append(seq)
+        max_blocks = max(len(s.block_table) for s in batch.seqs)
+        block_tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch.seqs]
+        t = lambda x, dtype: torch.tensor(x, dtype=dtype, device=self.device)
+        return Batch(input_ids=t(input_ids, torch.long), positions=t(positions, torch.long),
+                     slot_mapping=t(slots, torch.long), block_tables=t(block_tables, torch.int32),
+                     context_lens=t([s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)], torch.int32),
+                     query_start_loc=t(query_start_loc, torch.int32),
+                     logits_indices=t(logits_indices, torch.long)), samplers
+
+    @staticmethod
+    def _sample(logits, params, generator, n):
+        """logits: (vocab,) float32 on the CPU. Returns n token ids."""
+        if params.temperature == 0:
+            return [int(logits.argmax())] * n
+        logits = logits / params.temperature
+        if params.top_k:
+            kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if params.top_p < 1:
+            sorted_logits, order = logits.sort(descending=True)
+            cum = sorted_logits.softmax(-1).cumsum(-1)
+            drop = cum - sorted_logits.softmax(-1) >= params.top_p   # tokens past the top_p mass
+            logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+        return torch.multinomial(logits.softmax(-1), n, replacement=True, generator=generator).tolist()
+
+    def stats(self):
+        """The metrics of DESIGN.md, as fractions (0..1) and counts."""
+        bm, used = self.block_manager, self.block_manager.num_used_blocks()
+        return {
+            "kv_cache_usage_perc": used / bm.num_blocks,
+            "token_occupancy_perc": bm.num_stored_tokens() / (used * bm.block_size) if used else 0.0,
+            "prefix_cache_queries": bm.prefix_cache_queries,
+            "prefix_cache_hits": bm.prefix_cache_hits,
+            "prefix_cache_hit_rate": bm.prefix_cache_hits / bm.prefix_cache_queries if bm.prefix_cache_queries else 0.0,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_cow_copies": bm.num_cow_copies,
+            "num_evictions": bm.num_evictions,
+            "num_prefill_tokens_computed": self.num_prefill_tokens_computed,
+            "num_generated_tokens": self.num_generated_tokens,
+        }
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. Command line
+
+
+PROMPTS = ["The capital of France is", "Write a haiku about memory:", "def fibonacci(n):",
+           "Paging splits the KV cache into blocks because"]
+
+
+def main():
+    p = argparse.ArgumentParser(description="nanopaged: generate through a paged KV cache and print what it did")
+    p.add_argument("--model", default=None, help="None: SmolLM2-135M-Instruct; a local directory; random:<preset>")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument("--num-blocks", type=int, default=None, help="blocks in the pool (default: from a memory budget)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
+    p.add_argument("--n", type=int, default=1, help="samples per prompt (they share the prompt's blocks)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    args = p.parse_args()
+    llm = LLM(args.model, device=args.device, block_size=args.block_size, num_blocks=args.num_blocks)
+    prompts = PROMPTS if llm.tokenizer else [[1 + i] * (5 + 3 * i) for i in range(len(PROMPTS))]
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, n=args.n)
+    for out in llm.generate(prompts, params):
+        for c in out.outputs:
+            print(f"[{out.request_id}.{c.index}] {c.text or c.token_ids!r}  ({c.finish_reason})")
+    for k, v in llm.stats().items():
+        print(f"{k:28} {v:.3f}" if isinstance(v, float) else f"{k:28} {v}")
+
+
+if __name__ == "__main__":
+    main()
