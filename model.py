@@ -47,7 +47,7 @@ class ModelConfig:
 # random:<name> builds a model of this shape with random weights: tests and GPU timing need no files
 PRESETS = {
     "tiny": ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-                        num_heads=4, num_kv_heads=2, head_dim=16),
+                        num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=False),
     "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
                                 num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
                                 max_position_embeddings=8192),
