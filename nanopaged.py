@@ -104,9 +104,11 @@ class Sequence:
 class Block:
     block_id: int
     ref_count: int = 0                 # live block tables that hold this block
-    hash: int | None = None            # set while the block is registered in the prefix cache
-    parent_hash: int | None = None     # the previous block's hash in the chain (checked on a hit)
-    token_ids: tuple = ()              # the block's tokens (checked on a hit)
+    # set while the block is registered in the prefix cache (full, computed, immutable):
+    hash: int | None = None            # chain hash of the whole prefix up to and including this block
+    token_ids: tuple = ()              # its tokens, and ...
+    entry: int | None = None           # ... its registration's number (unique, never reused), and ...
+    parent_entry: int | None = None    # ... the entry of the block before it: a hit must match all three
 
 
 class BlockManager:
@@ -126,13 +128,14 @@ class BlockManager:
         self.free_block_ids = deque(range(num_blocks))   # truly free: nothing worth keeping inside
         self.cached_block_ids = OrderedDict()            # ref_count 0, registered; least recently freed first
         self.hash_to_block_id = {}                       # the prefix cache: chain hash -> block id
+        self.entries = itertools.count()                 # numbers the prefix cache's registrations
         self.seqs = {}                                   # seq_id -> Sequence, every sequence holding blocks
         # metrics, counted as they happen (DESIGN.md names)
         self.prefix_cache_queries = self.prefix_cache_hits = 0   # in tokens
         self.num_cow_copies = self.num_evictions = 0
 
-    # -- the hash chain: h[i] = H(h[i-1], tokens of block i), so equal hashes mean equal prefixes
-    #    (up to collisions, which the token and parent checks in _lookup catch)
+    # -- the hash chain: h[i] = H(h[i-1], tokens of block i), so one dictionary look-up finds a whole
+    #    prefix. Hashes can collide; _lookup checks what the hash only summarises.
 
     @staticmethod
     def compute_hash(parent_hash, token_ids):
@@ -146,16 +149,16 @@ class BlockManager:
             seq.block_hashes.append(self.compute_hash(parent, seq.token_ids[j * self.block_size:(j + 1) * self.block_size]))
         return seq.block_hashes[i]
 
-    def _lookup(self, seq, i):
-        """The block holding seq's full block i in the prefix cache, or None. A hit must match the
-        tokens and the parent hash too, so a hash collision never hands out another prefix's K/V."""
+    def _lookup(self, seq, i, parent):
+        """The cached block holding seq's full block i, or None. parent: the block that holds seq's
+        block i-1 (None for i = 0), itself a hit. The candidate must hold the same tokens and have been
+        registered after that very parent: by induction the whole prefix matches, whatever collides."""
         block_id = self.hash_to_block_id.get(self._block_hash(seq, i))
         if block_id is None:
             return None
         block = self.blocks[block_id]
         tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-        parent = seq.block_hashes[i - 1] if i else None
-        return block if block.token_ids == tokens and block.parent_hash == parent else None
+        return block if block.token_ids == tokens and block.parent_entry == (parent.entry if parent else None) else None
 
     def _num_hittable_blocks(self, seq):
         # the last token is always computed (its logits are needed), so the block holding it cannot hit
@@ -164,7 +167,7 @@ class BlockManager:
     def _cache_hits(self, seq):
         hits = []
         for i in range(self._num_hittable_blocks(seq)):
-            block = self._lookup(seq, i)
+            block = self._lookup(seq, i, hits[-1] if hits else None)
             if block is None:
                 break   # a chain: after the first miss no later block can be this prefix's
             hits.append(block)
@@ -183,7 +186,7 @@ class BlockManager:
         else:   # evict the cached block freed longest ago: its K/V are lost to the prefix cache
             block = self.blocks[self.cached_block_ids.popitem(last=False)[0]]
             del self.hash_to_block_id[block.hash]
-            block.hash, block.parent_hash, block.token_ids = None, None, ()
+            block.hash, block.token_ids, block.entry, block.parent_entry = None, (), None, None
             self.num_evictions += 1
         block.ref_count = 1
         return block.block_id
@@ -207,7 +210,7 @@ class BlockManager:
         return (num_tokens + self.block_size - 1) // self.block_size
 
     def can_allocate(self, seq, watermark=0):
-        """Would allocate(seq) leave more than `watermark` blocks free? Hits on cached (unheld)
+        """Would allocate(seq) leave at least `watermark` blocks free? Hits on cached (unheld)
         blocks take them out of the free count too; hits on held blocks cost nothing."""
         hits_on_held = sum(1 for b in self._cache_hits(seq) if b.ref_count > 0)
         return self.num_free_blocks - (self._num_blocks_for(len(seq)) - hits_on_held) >= watermark
@@ -274,13 +277,27 @@ class BlockManager:
         Only then may another request reuse them: their K/V are in place and will never change."""
         if not self.enable_prefix_caching:
             return
-        for i in range(seq.num_computed_tokens // self.block_size):
-            block = self.blocks[seq.block_table[i]]
-            h = self._block_hash(seq, i)
-            if block.hash is None and h not in self.hash_to_block_id:
-                block.hash, block.parent_hash = h, seq.block_hashes[i - 1] if i else None
+        end = seq.num_computed_tokens // self.block_size
+        i = end   # registered blocks form a prefix of the block table: find where it stops
+        while i > 0 and self.blocks[seq.block_table[i - 1]].hash is None:
+            i -= 1
+        for i in range(i, end):
+            parent = self.blocks[seq.block_table[i - 1]] if i else None
+            if parent is not None and parent.hash is None:
+                return   # the chain broke at a collision below: nothing after it can be found
+            same = self._lookup(seq, i, parent)
+            if same is not None:   # computed twice (two requests in one step): keep one copy
+                self._hold(same)
+                self._release(self.blocks[seq.block_table[i]])
+                seq.block_table[i] = same.block_id
+            elif self._block_hash(seq, i) in self.hash_to_block_id:
+                return   # another prefix already holds this hash (a collision): leave the rest uncached
+            else:
+                block = self.blocks[seq.block_table[i]]
+                block.hash, block.entry = seq.block_hashes[i], next(self.entries)
+                block.parent_entry = parent.entry if parent else None
                 block.token_ids = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-                self.hash_to_block_id[h] = block.block_id
+                self.hash_to_block_id[block.hash] = block.block_id
 
     # -- the rules, checked
 
@@ -302,16 +319,16 @@ class BlockManager:
         assert all(self.blocks[b].hash is not None for b in cached), "cached: a cached block has no hash"
         assert all(self.blocks[b].hash is None for b in free), "free: a free block still carries a hash"
         for h, block_id in self.hash_to_block_id.items():
-            block = self.blocks[block_id]
-            assert block.hash == h and self.compute_hash(block.parent_hash, block.token_ids) == h, \
-                f"hash map: hash {h} points at block {block_id} whose tokens do not hash to it"
+            assert self.blocks[block_id].hash == h, f"hash map: hash {h} points at block {block_id}, which carries another"
         assert sum(b.hash is not None for b in self.blocks) == len(self.hash_to_block_id), \
             "hash map: a block carries a hash the map does not know"
-        for seq in self.seqs.values():
+        for seq in self.seqs.values():   # a registered block holds exactly the prefix of every sequence holding it
             for i, block_id in enumerate(seq.block_table):
-                block = self.blocks[block_id]
-                assert block.hash is None or block.token_ids == tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size]), \
-                    f"tokens: seq {seq.seq_id} block {i} (physical {block_id}) holds other tokens than the sequence"
+                block, parent = self.blocks[block_id], self.blocks[seq.block_table[i - 1]] if i else None
+                assert block.hash is None or (
+                    block.token_ids == tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+                    and block.hash == self._block_hash(seq, i) and block.parent_entry == (parent.entry if parent else None)), \
+                    f"hash map: seq {seq.seq_id} block {i} (physical {block_id}) is registered for another prefix"
             assert len(seq.block_table) == self._num_blocks_for(len(seq)) or \
                 len(seq.block_table) == self._num_blocks_for(len(seq) - 1), \
                 f"block table: seq {seq.seq_id} has {len(seq.block_table)} blocks for {len(seq)} tokens"

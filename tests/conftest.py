@@ -1,0 +1,44 @@
+"""Shared helpers: run an engine with its invariants checked after every step, and the transformers oracle."""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+torch.set_num_threads(2)
+
+
+def checked(llm):
+    """Make every engine step end with check_invariants(); returns llm."""
+    step = llm.step
+
+    def step_and_check():
+        batch = step()
+        llm.block_manager.check_invariants()
+        return batch
+
+    llm.step = step_and_check
+    return llm
+
+
+def assert_no_block_held(llm):
+    """After a run every block is free or cached and no sequence holds any."""
+    bm = llm.block_manager
+    bm.check_invariants()
+    assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} blocks still held"
+    assert not bm.seqs and not llm.scheduler.running and not llm.scheduler.waiting
+
+
+def hf_greedy(hf, prompt_ids, max_new_tokens):
+    """transformers' own greedy generate, one prompt at a time: the oracle for the paged engine."""
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                          max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.fixture(scope="session")
+def default_hf():
+    from model import load_hf
+    return load_hf(None)
