@@ -73,36 +73,50 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
 
 
 # ----------------------------------------------------------------------------------------------
-# Check: the reference against plain attention on the same K/V laid out contiguously
+# Check: paged attention against plain attention on the same K/V laid out contiguously
 
 
-def check(seed=0):
-    """Random pool, shuffled block tables, mixed decodes and prefill chunks; returns the worst error."""
+def random_case(seed=0, block_size=4, num_kv_heads=2, group=3, head_dim=16, ctx_q=((13, 1), (7, 7), (20, 5), (1, 1)),
+                dtype=torch.float32, device="cpu"):
+    """A random pool and a batch mixing decodes and prefill chunks. ctx_q: (context_len, new tokens) per
+    sequence. Each sequence gets distinct blocks in shuffled order, so a wrong table lookup shows."""
     g = torch.Generator().manual_seed(seed)
-    num_blocks, block_size, num_kv_heads, group, head_dim = 64, 4, 2, 3, 16
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    max_blocks = max((c + block_size - 1) // block_size for c, _ in ctx_q)
+    num_blocks = len(ctx_q) * max_blocks + 3
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)  # (num_blocks, block_size, kv_heads, head_dim)
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
-    ctx_q = [(13, 1), (7, 7), (20, 5), (1, 1)]  # (context_len, new tokens): decode, prefill, chunk on cache, tiny
     perm = torch.randperm(num_blocks, generator=g)
-    block_tables = torch.zeros(len(ctx_q), 8, dtype=torch.int32)
-    for i in range(len(ctx_q)):
-        block_tables[i] = perm[i * 8:(i + 1) * 8]
-    qsl = torch.tensor([0] + [sum(n for _, n in ctx_q[:i + 1]) for i in range(len(ctx_q))], dtype=torch.int32)
-    q = torch.randn(int(qsl[-1]), num_kv_heads * group, head_dim, generator=g)
-    ctx = torch.tensor([c for c, _ in ctx_q], dtype=torch.int32)
-    out = paged_attention_ref(q, k_cache, v_cache, block_tables, ctx, qsl, head_dim ** -0.5)
-    worst = 0.0
-    for i, (c, n) in enumerate(ctx_q):
-        k = k_cache[block_tables[i].long()].flatten(0, 1)[:c].repeat_interleave(group, 1).transpose(0, 1)
-        v = v_cache[block_tables[i].long()].flatten(0, 1)[:c].repeat_interleave(group, 1).transpose(0, 1)
-        mask = torch.ones(n, c, dtype=torch.bool).tril(diagonal=c - n)
-        want = torch.nn.functional.scaled_dot_product_attention(q[qsl[i]:qsl[i + 1]].transpose(0, 1), k, v,
-                                                                attn_mask=mask).transpose(0, 1)
-        worst = max(worst, (out[qsl[i]:qsl[i + 1]] - want).abs().max().item())
-    return worst
+    block_tables = perm[:len(ctx_q) * max_blocks].view(len(ctx_q), max_blocks).int()  # (num_seqs, max_blocks)
+    qsl = torch.tensor([0] + [n for _, n in ctx_q], dtype=torch.int32).cumsum(0).int()   # (num_seqs + 1,)
+    q = torch.randn(int(qsl[-1]), num_kv_heads * group, head_dim, generator=g)       # (num_tokens, heads, head_dim)
+    context_lens = torch.tensor([c for c, _ in ctx_q], dtype=torch.int32)            # (num_seqs,)
+    to = lambda x: x.to(device=device, dtype=dtype)
+    return (to(q), to(k_cache), to(v_cache), block_tables.to(device), context_lens.to(device), qsl.to(device),
+            head_dim ** -0.5)
+
+
+def contiguous_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale):
+    """The same contract done the obvious way: copy each context out contiguously, then PyTorch's
+    scaled_dot_product_attention with an explicit causal mask."""
+    group = q.shape[1] // k_cache.shape[2]
+    out = torch.empty_like(q)
+    for i in range(len(context_lens)):
+        c, s, e = int(context_lens[i]), int(query_start_loc[i]), int(query_start_loc[i + 1])
+        k = torch.cat([k_cache[b] for b in block_tables[i].tolist()])[:c]   # (ctx, kv_heads, head_dim)
+        v = torch.cat([v_cache[b] for b in block_tables[i].tolist()])[:c]
+        mask = torch.ones(e - s, c, dtype=torch.bool, device=q.device).tril(diagonal=c - (e - s))
+        out[s:e] = torch.nn.functional.scaled_dot_product_attention(
+            q[s:e].transpose(0, 1), k.repeat_interleave(group, 1).transpose(0, 1),
+            v.repeat_interleave(group, 1).transpose(0, 1), attn_mask=mask, scale=scale).transpose(0, 1)
+    return out
 
 
 if __name__ == "__main__":
-    err = check()
-    print(f"reference vs contiguous scaled_dot_product_attention: max abs error {err:.2e}")
-    assert err < 1e-5
+    worst = 0.0
+    for seed, (block_size, group, head_dim) in enumerate([(4, 3, 16), (8, 1, 64), (16, 4, 128), (1, 2, 32)]):
+        case = random_case(seed, block_size=block_size, group=group, head_dim=head_dim)
+        err = (paged_attention_ref(*case) - contiguous_attention(*case)).abs().max().item()
+        print(f"block_size {block_size:2}  heads per kv head {group}  head_dim {head_dim:3}  max abs error {err:.2e}")
+        worst = max(worst, err)
+    assert worst < 1e-5, f"reference disagrees with contiguous attention: {worst:.2e}"
+    print("reference matches contiguous scaled_dot_product_attention")
