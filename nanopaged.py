@@ -357,10 +357,18 @@ class ScheduledBatch:
     seqs: list = field(default_factory=list)             # sequences that run this step
     num_new_tokens: list = field(default_factory=list)   # tokens each computes: 1 (decode) or a prefill chunk
     copies: list = field(default_factory=list)           # (src, dst) blocks to copy before the model runs
+    num_tokens: int = 0                                  # sum of num_new_tokens
+
+    def add(self, seq, budget):
+        # a prompt longer than what is left of the budget is computed in chunks (chunked prefill)
+        self.seqs.append(seq)
+        self.num_new_tokens.append(min(len(seq) - seq.num_computed_tokens, budget - self.num_tokens))
+        self.num_tokens += self.num_new_tokens[-1]
 
     def remove(self, seq):
         if seq in self.seqs:
             i = self.seqs.index(seq)
+            self.num_tokens -= self.num_new_tokens[i]
             del self.seqs[i], self.num_new_tokens[i]
 
 
@@ -396,7 +404,7 @@ class Scheduler:
         preempted = False
         # 1. running sequences, oldest request first: one decode token each, or the next prefill chunk
         for seq in list(self.running):
-            if budget == 0:
+            if batch.num_tokens == budget:
                 break
             while seq.status is SequenceStatus.RUNNING and not bm.can_append(seq):
                 self._preempt(max(self.running, key=lambda s: s.request_id).request_id, batch)
@@ -406,10 +414,9 @@ class Scheduler:
             copy = bm.append_slot(seq)
             if copy is not None:
                 batch.copies.append(copy)
-            self._add_to_batch(batch, seq, budget)
-            budget -= batch.num_new_tokens[-1]
+            batch.add(seq, budget)
         # 2. waiting requests in order, unless this step already had to preempt (no room to grow)
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+        while self.waiting and batch.num_tokens < budget and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             # with nothing running no decode can be starved, so a request may fill the whole pool
             if not bm.can_allocate(seq, self.watermark_blocks if self.running else 0):
@@ -418,14 +425,8 @@ class Scheduler:
             bm.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: (s.request_id, s.seq_id))
-            self._add_to_batch(batch, seq, budget)
-            budget -= batch.num_new_tokens[-1]
+            batch.add(seq, budget)
         return batch
-
-    def _add_to_batch(self, batch, seq, budget):
-        # a prompt longer than the budget is computed in chunks over several steps (chunked prefill)
-        batch.seqs.append(seq)
-        batch.num_new_tokens.append(min(len(seq) - seq.num_computed_tokens, budget))
 
     def _preempt(self, request_id, batch):
         """Recompute: free every block of the request (the prefix cache may keep much of it) and put
