@@ -21,6 +21,7 @@ Read it in the order one request travels:
 """
 import argparse
 import bisect
+import sys
 import itertools
 import math
 import time
@@ -60,6 +61,7 @@ class SamplingParams:
 class SequenceStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"
     FINISHED = "finished"
 
 
@@ -80,6 +82,7 @@ class Sequence:
         self.block_table = []          # physical block ids, one per block_size tokens
         self.block_hashes = []         # hash chain over this sequence's full blocks (see BlockManager)
         self.finish_reason = None      # "stop" (eos) or "length" (max_tokens)
+        self.logprobs, self.cum_logprob = None, 0.0   # beam search: next-token log-probs, the beam's total
         self.arrival_time, self.first_token_time, self.finish_time = time.perf_counter(), None, None
 
     def __len__(self):
@@ -114,25 +117,39 @@ class Block:
 class BlockManager:
     """Hands out blocks of the KV cache pool. Three kinds of block at any moment:
     used (ref_count > 0), cached (ref_count 0 but registered in the prefix cache: its K/V may be
-    reused until it is evicted) and free. Allocate and free are O(1)."""
+    reused until it is evicted) and free. Allocate and free are O(1). An optional CPU pool of the
+    same block shape holds swapped-out requests."""
 
-    def __init__(self, num_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=True):
+    def __init__(self, num_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=True, log_events=False):
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a positive power of two (1, 2, 4, ... 16 ...), got {block_size}")
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.num_cpu_blocks = num_cpu_blocks
+        if num_blocks < 1 or num_cpu_blocks < 0:
+            raise ValueError(f"need num_blocks >= 1 and num_cpu_blocks >= 0, got {num_blocks}, {num_cpu_blocks}")
+        self.num_blocks, self.block_size, self.num_cpu_blocks = num_blocks, block_size, num_cpu_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids = deque(range(num_blocks))   # truly free: nothing worth keeping inside
         self.cached_block_ids = OrderedDict()            # ref_count 0, registered; least recently freed first
-        self.hash_to_block_id = {}                       # the prefix cache: chain hash -> block id
+        # the prefix cache: chain hash -> registered block ids, as an ordered set (more than one when two
+        # requests computed the same prefix at once, or when hashes collide)
+        self.hash_to_block_ids = {}
         self.entries = itertools.count()                 # numbers the prefix cache's registrations
-        self.seqs = {}                                   # seq_id -> Sequence, every sequence holding blocks
+        self.seqs = {}                                   # seq_id -> Sequence, every sequence holding device blocks
+        # the CPU tier: swapped-out sequences hold CPU block ids in their block tables
+        self.cpu_blocks = [Block(i) for i in range(num_cpu_blocks)]
+        self.free_cpu_block_ids = deque(range(num_cpu_blocks))
+        self.swapped = {}                                # seq_id -> Sequence, every sequence holding CPU blocks
         # metrics, counted as they happen (DESIGN.md names)
         self.prefix_cache_queries = self.prefix_cache_hits = 0   # in tokens
         self.num_cow_copies = self.num_evictions = 0
+        self.num_swapped_out_blocks = self.num_swapped_in_blocks = 0
+        # the debug log: every ref-count change, allocation, free, copy, eviction and swap, as
+        # (event, seq_id, block_id, detail) for the engine to print with its step number
+        self.log_events, self.events = log_events, []
+
+    def _log(self, event, seq, block_id, detail=""):
+        if self.log_events:
+            self.events.append((event, seq.seq_id, block_id, detail))
 
     # -- the hash chain: h[i] = H(h[i-1], tokens of block i), so one dictionary look-up finds a whole
     #    prefix. Hashes can collide; _lookup checks what the hash only summarises.
@@ -153,12 +170,12 @@ class BlockManager:
         """The cached block holding seq's full block i, or None. parent: the block that holds seq's
         block i-1 (None for i = 0), itself a hit. The candidate must hold the same tokens and have been
         registered after that very parent: by induction the whole prefix matches, whatever collides."""
-        block_id = self.hash_to_block_id.get(self._block_hash(seq, i))
-        if block_id is None:
-            return None
-        block = self.blocks[block_id]
         tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-        return block if block.token_ids == tokens and block.parent_entry == (parent.entry if parent else None) else None
+        for block_id in self.hash_to_block_ids.get(self._block_hash(seq, i), ()):
+            block = self.blocks[block_id]
+            if block.token_ids == tokens and block.parent_entry == (parent.entry if parent else None):
+                return block
+        return None
 
     def _num_hittable_blocks(self, seq):
         # the last token is always computed (its logits are needed), so the block holding it cannot hit
@@ -180,29 +197,38 @@ class BlockManager:
         """Blocks allocatable now: truly free ones plus cached ones nobody holds (evictable)."""
         return len(self.free_block_ids) + len(self.cached_block_ids)
 
-    def _take_free_block(self):
+    def _take_free_block(self, seq):
         if self.free_block_ids:
             block = self.blocks[self.free_block_ids.popleft()]
         else:   # evict the cached block freed longest ago: its K/V are lost to the prefix cache
             block = self.blocks[self.cached_block_ids.popitem(last=False)[0]]
-            del self.hash_to_block_id[block.hash]
+            bucket = self.hash_to_block_ids[block.hash]
+            del bucket[block.block_id]
+            if not bucket:
+                del self.hash_to_block_ids[block.hash]
             block.hash, block.token_ids, block.entry, block.parent_entry = None, (), None, None
             self.num_evictions += 1
+            self._log("evict", seq, block.block_id, "cached, unused")
         block.ref_count = 1
+        self._log("allocate", seq, block.block_id, "ref 1")
         return block.block_id
 
-    def _hold(self, block):
+    def _hold(self, block, seq):
         if block.ref_count == 0:   # a cached block comes back to life
             del self.cached_block_ids[block.block_id]
         block.ref_count += 1
+        self._log("ref+1", seq, block.block_id, f"ref {block.ref_count}")
 
-    def _release(self, block):
+    def _release(self, block, seq):
         block.ref_count -= 1
+        self._log("ref-1", seq, block.block_id, f"ref {block.ref_count}")
         if block.ref_count == 0:
             if block.hash is not None:
                 self.cached_block_ids[block.block_id] = None    # most recently freed: evicted last
+                self._log("cache", seq, block.block_id, "kept for prefix hits")
             else:
                 self.free_block_ids.append(block.block_id)
+                self._log("free", seq, block.block_id)
 
     # -- whole sequences
 
@@ -220,9 +246,9 @@ class BlockManager:
         assert not seq.block_table, f"seq {seq.seq_id} already holds blocks"
         hits = self._cache_hits(seq)
         for block in hits:
-            self._hold(block)
+            self._hold(block, seq)
         seq.block_table = [b.block_id for b in hits]
-        seq.block_table += [self._take_free_block() for _ in range(self._num_blocks_for(len(seq)) - len(hits))]
+        seq.block_table += [self._take_free_block(seq) for _ in range(self._num_blocks_for(len(seq)) - len(hits))]
         seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
         if self.enable_prefix_caching:
             self.prefix_cache_queries += len(seq)
@@ -245,20 +271,21 @@ class BlockManager:
         """Make sure the slot of seq's last token exists and may be written. Returns (src, dst)
         when a shared block had to be copied first (copy-on-write), else None."""
         if self._needs_new_block(seq):
-            seq.block_table.append(self._take_free_block())
+            seq.block_table.append(self._take_free_block(seq))
         elif self._needs_copy(seq):   # shared and partly filled: this writer gets its own copy
             src = self.blocks[seq.block_table[-1]]
-            dst = self._take_free_block()
-            self._release(src)
+            dst = self._take_free_block(seq)
+            self._release(src, seq)
             seq.block_table[-1] = dst
             self.num_cow_copies += 1
+            self._log("copy", seq, src.block_id, f"copy-on-write to block {dst}")
             return src.block_id, dst
         return None
 
     def fork(self, parent, child):
         """child shares every block of parent: no K/V is copied, each block's ref_count goes up."""
         for block_id in parent.block_table:
-            self._hold(self.blocks[block_id])
+            self._hold(self.blocks[block_id], child)
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
@@ -268,7 +295,7 @@ class BlockManager:
         """Drop seq's hold on its blocks, tail first: the tail is freed earlier, so evicted before the
         prefix, which other requests are likelier to share."""
         for block_id in reversed(seq.block_table):
-            self._release(self.blocks[block_id])
+            self._release(self.blocks[block_id], seq)
         seq.block_table = []
         self.seqs.pop(seq.seq_id, None)
 
@@ -278,38 +305,81 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         end = seq.num_computed_tokens // self.block_size
-        i = end   # registered blocks form a prefix of the block table: find where it stops
-        while i > 0 and self.blocks[seq.block_table[i - 1]].hash is None:
-            i -= 1
-        for i in range(i, end):
-            parent = self.blocks[seq.block_table[i - 1]] if i else None
-            if parent is not None and parent.hash is None:
-                return   # the chain broke at a collision below: nothing after it can be found
-            same = self._lookup(seq, i, parent)
-            if same is not None:   # computed twice (two requests in one step): keep one copy
-                self._hold(same)
-                self._release(self.blocks[seq.block_table[i]])
-                seq.block_table[i] = same.block_id
-            elif self._block_hash(seq, i) in self.hash_to_block_id:
-                return   # another prefix already holds this hash (a collision): leave the rest uncached
-            else:
-                block = self.blocks[seq.block_table[i]]
-                block.hash, block.entry = seq.block_hashes[i], next(self.entries)
-                block.parent_entry = parent.entry if parent else None
-                block.token_ids = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-                self.hash_to_block_id[block.hash] = block.block_id
+        start = end   # registered blocks form a prefix of the block table: find where it stops
+        while start > 0 and self.blocks[seq.block_table[start - 1]].hash is None:
+            start -= 1
+        for i in range(start, end):
+            block, parent = self.blocks[seq.block_table[i]], self.blocks[seq.block_table[i - 1]] if i else None
+            block.hash, block.entry = self._block_hash(seq, i), next(self.entries)
+            block.parent_entry = parent.entry if parent else None
+            block.token_ids = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            self.hash_to_block_ids.setdefault(block.hash, {})[block.block_id] = None
+            self._log("register", seq, block.block_id, f"prefix cache entry {block.entry}")
+
+    # -- the CPU tier: a whole request moves, each distinct block once, so sharing survives the trip
+
+    def _request(self, seqs, request_id):
+        return [s for s in seqs.values() if s.request_id == request_id]
+
+    def can_swap_out(self, seq):
+        distinct = {b for s in self._request(self.seqs, seq.request_id) for b in s.block_table}
+        return len(distinct) <= len(self.free_cpu_block_ids)
+
+    def swap_out(self, seq):
+        """Move seq's request (all its sequences) to the CPU pool. Returns [(device_block, cpu_block)]
+        for the engine to copy, one pair per distinct block."""
+        mapping = {}   # device block id -> cpu block id
+        for s in self._request(self.seqs, seq.request_id):
+            for i, block_id in enumerate(s.block_table):
+                if block_id not in mapping:
+                    mapping[block_id] = self.free_cpu_block_ids.popleft()
+                    self._log("swap out", s, block_id, f"to cpu block {mapping[block_id]}")
+                self.cpu_blocks[mapping[block_id]].ref_count += 1
+                self._release(self.blocks[block_id], s)
+                s.block_table[i] = mapping[block_id]
+            self.swapped[s.seq_id] = self.seqs.pop(s.seq_id)
+        self.num_swapped_out_blocks += len(mapping)
+        return list(mapping.items())
+
+    def can_swap_in(self, seq, watermark=0):
+        distinct = {b for s in self._request(self.swapped, seq.request_id) for b in s.block_table}
+        return self.num_free_blocks - len(distinct) >= watermark
+
+    def swap_in(self, seq):
+        """Move seq's request back to the device pool. Returns [(cpu_block, device_block)]."""
+        mapping = {}   # cpu block id -> device block id
+        for s in self._request(self.swapped, seq.request_id):
+            for i, cpu_id in enumerate(s.block_table):
+                if cpu_id not in mapping:
+                    mapping[cpu_id] = self._take_free_block(s)
+                    self._log("swap in", s, mapping[cpu_id], f"from cpu block {cpu_id}")
+                else:
+                    self._hold(self.blocks[mapping[cpu_id]], s)
+                cpu_block = self.cpu_blocks[cpu_id]
+                cpu_block.ref_count -= 1
+                if cpu_block.ref_count == 0:
+                    self.free_cpu_block_ids.append(cpu_id)
+                s.block_table[i] = mapping[cpu_id]
+            self.seqs[s.seq_id] = self.swapped.pop(s.seq_id)
+        self.num_swapped_in_blocks += len(mapping)
+        return list(mapping.items())
 
     # -- the rules, checked
 
     def check_invariants(self):
         """Raises AssertionError naming the broken rule (DESIGN.md, block manager rules)."""
-        holders = [0] * self.num_blocks
-        for seq in self.seqs.values():
-            for block_id in seq.block_table:
-                holders[block_id] += 1
-        for block in self.blocks:
-            assert block.ref_count == holders[block.block_id], \
-                f"ref_count: block {block.block_id} has ref_count {block.ref_count} but {holders[block.block_id]} block tables hold it"
+        for pool, blocks, seqs in (("device", self.blocks, self.seqs), ("cpu", self.cpu_blocks, self.swapped)):
+            holders = [0] * len(blocks)
+            for seq in seqs.values():
+                for block_id in seq.block_table:
+                    holders[block_id] += 1
+            for block in blocks:
+                assert block.ref_count == holders[block.block_id], (f"ref_count: {pool} block {block.block_id} has "
+                    f"ref_count {block.ref_count} but {holders[block.block_id]} block tables hold it")
+        assert not set(self.seqs) & set(self.swapped), "partition: a sequence holds blocks in both pools"
+        cpu_used = {b.block_id for b in self.cpu_blocks if b.ref_count > 0}
+        assert len(set(self.free_cpu_block_ids)) == len(self.free_cpu_block_ids) == self.num_cpu_blocks - len(cpu_used) \
+            and not cpu_used & set(self.free_cpu_block_ids), "partition: cpu pool's free and used blocks overlap or miss one"
         free, cached = set(self.free_block_ids), set(self.cached_block_ids)
         used = {b.block_id for b in self.blocks if b.ref_count > 0}
         assert len(free) == len(self.free_block_ids), "partition: a block is twice in the free pool"
@@ -318,9 +388,9 @@ class BlockManager:
         assert len(free) + len(cached) + len(used) == self.num_blocks, "partition: some block is in no state"
         assert all(self.blocks[b].hash is not None for b in cached), "cached: a cached block has no hash"
         assert all(self.blocks[b].hash is None for b in free), "free: a free block still carries a hash"
-        for h, block_id in self.hash_to_block_id.items():
-            assert self.blocks[block_id].hash == h, f"hash map: hash {h} points at block {block_id}, which carries another"
-        assert sum(b.hash is not None for b in self.blocks) == len(self.hash_to_block_id), \
+        for h, bucket in self.hash_to_block_ids.items():
+            assert bucket and all(self.blocks[b].hash == h for b in bucket), f"hash map: hash {h} lists a block carrying another"
+        assert sum(b.hash is not None for b in self.blocks) == sum(map(len, self.hash_to_block_ids.values())), \
             "hash map: a block carries a hash the map does not know"
         for seq in self.seqs.values():   # a registered block holds exactly the prefix of every sequence holding it
             for i, block_id in enumerate(seq.block_table):
@@ -329,8 +399,8 @@ class BlockManager:
                     block.token_ids == tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
                     and block.hash == self._block_hash(seq, i) and block.parent_entry == (parent.entry if parent else None)), \
                     f"hash map: seq {seq.seq_id} block {i} (physical {block_id}) is registered for another prefix"
-            assert len(seq.block_table) == self._num_blocks_for(len(seq)) or \
-                len(seq.block_table) == self._num_blocks_for(len(seq) - 1), \
+        for seq in [*self.seqs.values(), *self.swapped.values()]:
+            assert len(seq.block_table) in (self._num_blocks_for(len(seq)), self._num_blocks_for(len(seq) - 1)), \
                 f"block table: seq {seq.seq_id} has {len(seq.block_table)} blocks for {len(seq)} tokens"
 
     # -- what the metrics read
@@ -356,8 +426,11 @@ class BlockManager:
 class ScheduledBatch:
     seqs: list = field(default_factory=list)             # sequences that run this step
     num_new_tokens: list = field(default_factory=list)   # tokens each computes: 1 (decode) or a prefill chunk
-    copies: list = field(default_factory=list)           # (src, dst) blocks to copy before the model runs
     num_tokens: int = 0                                  # sum of num_new_tokens
+    # block copies to make before the model runs, in the order they were decided (a later one may
+    # overwrite a block an earlier one reads): ("copy", src, dst) copy-on-write inside the device
+    # pool, ("swap out", device, cpu) and ("swap in", cpu, device) between the pools
+    block_copies: list = field(default_factory=list)
 
     def add(self, seq, budget):
         # a prompt longer than what is left of the budget is computed in chunks (chunked prefill)
@@ -372,31 +445,70 @@ class ScheduledBatch:
             del self.seqs[i], self.num_new_tokens[i]
 
 
+@dataclass
+class PreemptionCost:
+    """What preemption_mode='auto' weighs, measured on this machine. Recomputing a request costs a
+    prefill of all its tokens: tokens * seconds_per_token, the engine's own average over its steps
+    (an upper estimate: a step's fixed overhead is spread over its tokens). Swapping costs moving its
+    distinct blocks out and back in: 2 * blocks * bytes_per_block / copy bandwidth, measured when
+    the engine starts by timing a round trip of a few blocks."""
+    bytes_per_block: int
+    swap_bytes_per_second: float
+    seconds_per_token: float = 0.0    # 0 until the first step is measured
+
+    def observe_step(self, num_tokens, seconds):
+        self.seconds_per_token = seconds / num_tokens if not self.seconds_per_token else \
+            0.9 * self.seconds_per_token + 0.1 * seconds / num_tokens
+
+    def swap_is_cheaper(self, num_tokens, num_blocks):
+        return 2 * num_blocks * self.bytes_per_block / self.swap_bytes_per_second < num_tokens * self.seconds_per_token
+
+
 class Scheduler:
     """First come, first served continuous batching. Each step: every running sequence gets its next
-    token (or its next prefill chunk), then waiting prompts are admitted while the token budget,
-    max_num_seqs and free blocks allow. If a running sequence cannot get a block, the most recently
-    arrived running request is preempted: its blocks are freed and it is recomputed later, before
-    any new request."""
+    token (or its next prefill chunk); then swapped-out requests come back; then waiting prompts are
+    admitted while the token budget, max_num_seqs and free blocks allow. If a running sequence
+    cannot get a block, the most recently arrived running request is preempted: swapped to the CPU
+    pool, or freed to be recomputed, before any new request runs."""
 
     def __init__(self, block_manager, max_num_seqs=256, max_num_batched_tokens=2048, watermark=0.01,
-                 eos_token_ids=()):
+                 eos_token_ids=(), preemption_mode="recompute", cost=None):
+        if preemption_mode not in ("recompute", "swap", "auto"):
+            raise ValueError(f"preemption_mode must be 'recompute', 'swap' or 'auto', got {preemption_mode!r}")
+        if preemption_mode == "swap" and block_manager.num_cpu_blocks == 0:
+            raise ValueError("preemption_mode='swap' needs a CPU pool: pass num_cpu_blocks > 0 (or swap_space "
+                             "in GiB), or use 'recompute'")
         self.block_manager = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.preemption_mode, self.cost = preemption_mode, cost
         # admitting a prompt must leave this many blocks free, so that the next step's decodes do
         # not have to preempt straight away
         self.watermark_blocks = int(watermark * block_manager.num_blocks)
-        self.waiting = deque()     # FCFS; preempted requests go back to the front
+        self.waiting = deque()     # FCFS; requests preempted by recompute go back to the front
         self.running = []          # kept in arrival order (request_id, then seq_id)
+        self.swapped = []          # requests (lists of sequences) on the CPU pool, in arrival order
         self.finished = []
-        self.num_preemptions = 0   # requests preempted (all their sequences at once)
+        self.num_preemptions = 0   # requests preempted (all their sequences at once), either way
 
     def add(self, seq):
         self.waiting.append(seq)
 
     def has_unfinished(self):
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
+
+    def _start_running(self, seq):
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=lambda s: (s.request_id, s.seq_id))
+
+    def _schedule_running(self, seq, batch, budget):
+        """seq's next token (or chunk) joins the batch, with the slot it writes."""
+        if len(seq) == seq.num_computed_tokens:
+            return   # a beam that waits for its siblings' logits: nothing to compute
+        copy = self.block_manager.append_slot(seq)
+        if copy is not None:
+            batch.block_copies.append(("copy", *copy))
+        batch.add(seq, budget)
 
     def schedule(self) -> ScheduledBatch:
         bm, batch = self.block_manager, ScheduledBatch()
@@ -407,41 +519,72 @@ class Scheduler:
             if batch.num_tokens == budget:
                 break
             while seq.status is SequenceStatus.RUNNING and not bm.can_append(seq):
-                self._preempt(max(self.running, key=lambda s: s.request_id).request_id, batch)
+                self.preempt(max(self.running, key=lambda s: s.request_id).request_id, batch)
                 preempted = True
-            if seq.status is not SequenceStatus.RUNNING:
-                continue   # preempted itself: it was the newest request
-            copy = bm.append_slot(seq)
-            if copy is not None:
-                batch.copies.append(copy)
-            batch.add(seq, budget)
-        # 2. waiting requests in order, unless this step already had to preempt (no room to grow)
-        while self.waiting and batch.num_tokens < budget and not preempted and len(self.running) < self.max_num_seqs:
+            if seq.status is SequenceStatus.RUNNING:   # else it was the newest request: preempted itself
+                self._schedule_running(seq, batch, budget)
+        # 2. swapped requests come back before any new one, unless this step had to preempt
+        while self.swapped and batch.num_tokens < budget and not preempted:
+            group = self.swapped[0]
+            # room for their blocks, plus one new block each for the token they write next
+            if not bm.can_swap_in(group[0], self.watermark_blocks + len(group)):
+                break
+            self.swapped.pop(0)
+            batch.block_copies += [("swap in", cpu, dev) for cpu, dev in bm.swap_in(group[0])]
+            for seq in group:
+                self._start_running(seq)
+                self._schedule_running(seq, batch, budget)
+        # 3. waiting requests in order, while nothing is swapped out and this step did not preempt
+        while (self.waiting and not self.swapped and batch.num_tokens < budget and not preempted
+               and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
             # with nothing running no decode can be starved, so a request may fill the whole pool
             if not bm.can_allocate(seq, self.watermark_blocks if self.running else 0):
                 break
             self.waiting.popleft()
             bm.allocate(seq)
-            seq.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, seq, key=lambda s: (s.request_id, s.seq_id))
+            self._start_running(seq)
             batch.add(seq, budget)
+        # 4. stuck: every running sequence waits (beams for siblings still queued) and nothing fits:
+        #    make room the usual way, by preempting the newest running request
+        if not batch.seqs and self.running and (self.waiting or self.swapped):
+            self.preempt(max(self.running, key=lambda s: s.request_id).request_id, batch)
+            retry = self.schedule()
+            retry.block_copies[:0] = batch.block_copies   # a swap-out decided above still has to happen first
+            return retry
         return batch
 
-    def _preempt(self, request_id, batch):
-        """Recompute: free every block of the request (the prefix cache may keep much of it) and put
-        its sequences back at the front of the queue. Its generated tokens stay: they become prompt."""
+    def _choose_mode(self, victims):
+        distinct = len({b for s in victims for b in s.block_table})
+        if self.preemption_mode == "recompute" or not self.block_manager.can_swap_out(victims[0]):
+            return "recompute"   # a full CPU pool falls back to recompute
+        if self.preemption_mode == "swap":
+            return "swap"
+        if self.cost is None:
+            return "swap"   # auto without measurements (a BlockManager driven by hand): swap while it fits
+        return "swap" if self.cost.swap_is_cheaper(sum(len(s) for s in victims), distinct) else "recompute"
+
+    def preempt(self, request_id, batch, mode=None):
+        """Take a running request's blocks back, all its sequences at once. Swap: move them to the CPU
+        pool; it resumes where it was. Recompute: free them (the prefix cache may keep much of it) and
+        queue the request at the front; its generated tokens stay and are computed again as prompt."""
         victims = [s for s in self.running if s.request_id == request_id]
+        mode = mode or self._choose_mode(victims)
         for seq in victims:
-            self.block_manager.free(seq)
             self.running.remove(seq)
             batch.remove(seq)
-            seq.status, seq.num_computed_tokens = SequenceStatus.WAITING, 0
-        # a copy into a block its writer just gave back must not run
-        held = {b for s in self.running for b in s.block_table}
-        batch.copies = [(src, dst) for src, dst in batch.copies if dst in held]
-        self.waiting.extendleft(reversed(victims))
+        if mode == "swap":
+            batch.block_copies += [("swap out", dev, cpu) for dev, cpu in self.block_manager.swap_out(victims[0])]
+            for seq in victims:
+                seq.status = SequenceStatus.SWAPPED
+            bisect.insort(self.swapped, victims, key=lambda g: g[0].request_id)
+        else:
+            for seq in victims:
+                self.block_manager.free(seq)
+                seq.status, seq.num_computed_tokens = SequenceStatus.WAITING, 0
+            self.waiting.extendleft(reversed(victims))
         self.num_preemptions += 1
+        return mode
 
     def postprocess(self, batch, sampled):
         """After the model ran: advance each sequence, register its newly full blocks in the prefix
@@ -452,27 +595,29 @@ class Scheduler:
             seq.num_computed_tokens += n
             bm.cache_full_blocks(seq)
             if seq not in sampled:
-                continue   # in the middle of its prompt: nothing to sample yet
+                continue   # in the middle of its prompt, or a beam (the engine picks beams)
             tokens = sampled[seq]
-            samples = [seq] + [self._fork(seq) for _ in tokens[1:]]
+            samples = [seq] + [self.fork(seq) for _ in tokens[1:]]
             for s, token in zip(samples, tokens):
                 s.append_token(token)
                 s.first_token_time = s.first_token_time or now
                 if token in self.eos_token_ids and not s.params.ignore_eos:
-                    self._finish(s, "stop", now)
+                    self.finish(s, "stop")
                 elif s.num_output_tokens >= s.params.max_tokens:
-                    self._finish(s, "length", now)
+                    self.finish(s, "length")
 
-    def _fork(self, parent):
+    def fork(self, parent):
+        """A new sequence of parent's request sharing all its blocks (n>1 samples, beams)."""
         child = Sequence(parent.token_ids, parent.params, parent.request_id)
         child.num_prompt_tokens, child.arrival_time = parent.num_prompt_tokens, parent.arrival_time
-        child.status = SequenceStatus.RUNNING
+        child.first_token_time = parent.first_token_time
         self.block_manager.fork(parent, child)
-        bisect.insort(self.running, child, key=lambda s: (s.request_id, s.seq_id))
+        self._start_running(child)
         return child
 
-    def _finish(self, seq, reason, now):
-        seq.status, seq.finish_reason, seq.finish_time = SequenceStatus.FINISHED, reason, now
+    def finish(self, seq, reason):
+        """reason: "stop" (eos), "length" (max_tokens), or "pruned" (a beam that lost)."""
+        seq.status, seq.finish_reason, seq.finish_time = SequenceStatus.FINISHED, reason, time.perf_counter()
         self.block_manager.free(seq)
         self.running.remove(seq)
         self.finished.append(seq)
@@ -499,20 +644,54 @@ class RequestOutput:
     tpot: float          # seconds per output token after the first (mean over the samples)
 
 
+@dataclass
+class BeamSearchParams:
+    beam_width: int
+    max_tokens: int = 16
+    length_penalty: float = 1.0   # score = cum_logprob / num_output_tokens ** length_penalty
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.beam_width < 1:
+            raise ValueError(f"beam_width must be >= 1, got {self.beam_width}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+    @property
+    def n(self):   # the most sequences the request holds at once: what _validate sizes the pool by
+        return self.beam_width
+
+
+@dataclass
+class BeamSearchSequence:
+    token_ids: list      # output tokens (after the prompt)
+    text: str
+    cum_logprob: float
+    score: float
+
+
+@dataclass
+class BeamSearchOutput:
+    request_id: int
+    prompt_token_ids: list
+    sequences: list      # BeamSearchSequences, best score first
+
+
 class LLM:
     """The engine: owns the model, the KV cache pool, the block manager and the scheduler.
     generate() adds requests and runs step() until they finish; step() is one batch through the model."""
 
     def __init__(self, model=None, device=None, dtype=None, block_size=16, num_blocks=None, num_cpu_blocks=0,
                  enable_prefix_caching=True, max_num_seqs=256, max_num_batched_tokens=2048,
-                 max_model_len=None, preemption_mode="auto", seed=0):
+                 max_model_len=None, preemption_mode="auto", seed=0, swap_space=None, debug_blocks=False):
         from model import load_model   # model.py pulls in transformers: only the engine needs it
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a positive power of two (1, 2, 4, ... 16 ...), got {block_size}")
         if preemption_mode not in ("recompute", "swap", "auto"):
             raise ValueError(f"preemption_mode must be 'recompute', 'swap' or 'auto', got {preemption_mode!r}")
-        if preemption_mode == "swap" and num_cpu_blocks == 0:
-            raise ValueError("preemption_mode='swap' needs a CPU pool: pass num_cpu_blocks > 0, or use 'recompute'")
+        if preemption_mode == "swap" and not (num_cpu_blocks or swap_space):
+            raise ValueError("preemption_mode='swap' needs a CPU pool: pass num_cpu_blocks > 0 (or swap_space "
+                             "in GiB), or use 'recompute'")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs and max_num_batched_tokens must be >= 1, got {max_num_seqs}, {max_num_batched_tokens}")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -524,14 +703,35 @@ class LLM:
         # bytes per block = 2 (K and V) * layers * block_size * kv_heads * head_dim * bytes per number
         bytes_per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
         num_blocks = num_blocks or self._default_num_blocks(bytes_per_block)
-        self.kv_cache = torch.zeros(2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                                    dtype=self.dtype, device=self.device)  # (K|V, layers, num_blocks, block_size, kv_heads, head_dim)
-        self.block_manager = BlockManager(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, eos_token_ids=eos_token_ids)
+        shape = (2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)  # (K|V, layers, num_blocks, block_size, kv_heads, head_dim)
+        # the CPU tier: the same block shape in host memory, pinned on CUDA so copies run asynchronously
+        num_cpu_blocks = num_cpu_blocks or int((swap_space or 0) * (1 << 30) // bytes_per_block)
+        self.cpu_cache = torch.zeros(shape[:2] + (num_cpu_blocks,) + shape[3:], dtype=self.dtype,
+                                     pin_memory=self.device.type == "cuda")  # (K|V, layers, num_cpu_blocks, block_size, kv_heads, head_dim)
+        self.block_manager = BlockManager(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching, debug_blocks)
+        cost = PreemptionCost(bytes_per_block, self._measure_swap_bandwidth()) if num_cpu_blocks else None
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
+                                   eos_token_ids=eos_token_ids, preemption_mode=preemption_mode, cost=cost)
+        self.debug_blocks = debug_blocks
         self.seed = seed
         self.request_ids = itertools.count()
         self.generators = {}   # request_id -> torch.Generator: each request samples from its own stream
+        self.beams = {}        # request_id -> its live beams (Sequences), for beam_search requests
+        self.completed_beams = {}   # request_id -> [(output token ids, cum_logprob)] that ended
         self.num_steps = self.num_prefill_tokens_computed = self.num_generated_tokens = 0
+
+    def _measure_swap_bandwidth(self):
+        """Bytes per second of a device -> CPU -> device round trip of a few blocks (PreemptionCost)."""
+        n = min(8, self.kv_cache.shape[2], self.cpu_cache.shape[2])
+        for _ in range(2):   # the first round warms up
+            t0 = time.perf_counter()
+            self.cpu_cache[:, :, :n].copy_(self.kv_cache[:, :, :n])
+            self.kv_cache[:, :, :n].copy_(self.cpu_cache[:, :, :n])
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            seconds = time.perf_counter() - t0
+        return 2 * self.kv_cache[:, :, :n].numel() * self.dtype.itemsize / max(seconds, 1e-9)
 
     def _default_num_blocks(self, bytes_per_block):
         if self.device.type == "cuda":   # most of what the weights leave free, as vLLM's gpu_memory_utilization
@@ -581,7 +781,7 @@ class LLM:
         request_ids = []
         for token_ids, p in zip(token_lists, params):
             request_id = next(self.request_ids)
-            seed = p.seed if p.seed is not None else self.seed * 1_000_003 + request_id
+            seed = self.seed * 1_000_003 + request_id if getattr(p, "seed", None) is None else p.seed
             self.generators[request_id] = torch.Generator().manual_seed(seed)
             self.scheduler.add(Sequence(token_ids, p, request_id))
             request_ids.append(request_id)
@@ -594,6 +794,61 @@ class LLM:
         while self.scheduler.has_unfinished():
             self.step()
         return [self._output(r) for r in request_ids]
+
+    def beam_search(self, prompts, params):
+        """Keep the beam_width most likely continuations of each prompt. Beams of one request share
+        their common prefix's blocks: a beam chosen twice forks (ref_count + 1, no copy), a beam not
+        chosen is freed, and only a shared, partly filled last block is ever copied (on write).
+        Returns one BeamSearchOutput per prompt, its sequences best first."""
+        request_ids = self.add_requests(prompts, params)
+        for r in request_ids:
+            self.beams[r] = [s for s in self.scheduler.waiting if s.request_id == r]
+            self.completed_beams[r] = []
+        while self.scheduler.has_unfinished():
+            self.step()
+        return [self._beam_output(r) for r in request_ids]
+
+    def _beam_round(self, request_id):
+        """Every live beam has its next-token log-probs: pick the new beams (vLLM's rule). Each beam
+        offers its 2 * beam_width best tokens; an eos candidate ends (completed), the beam_width best
+        others by cumulative log-prob live on."""
+        params, beams = self.beams[request_id][0].params, self.beams[request_id]
+        candidates = []   # (cum_logprob, parent beam, token)
+        for beam in beams:
+            top = beam.logprobs.topk(2 * params.beam_width)
+            candidates += [(beam.cum_logprob + lp, beam, t) for lp, t in zip(top.values.tolist(), top.indices.tolist())]
+            beam.logprobs = None
+        ends = lambda t: t in self.scheduler.eos_token_ids and not params.ignore_eos
+        self.completed_beams[request_id] += [(b.token_ids[b.num_prompt_tokens:] + [t], c) for c, b, t in candidates if ends(t)]
+        chosen = sorted((c for c in candidates if not ends(c[2])), key=lambda c: c[0], reverse=True)[:params.beam_width]
+        new_beams = []
+        for beam in beams:   # fork first (children copy the parent's tokens), then append
+            picks = [(c, t) for c, b, t in chosen if b is beam]
+            if not picks:
+                self.scheduler.finish(beam, "pruned")
+                continue
+            family = [beam] + [self.scheduler.fork(beam) for _ in picks[1:]]
+            for child, (cum, t) in zip(family, picks):
+                child.append_token(t)
+                child.cum_logprob = cum
+            new_beams += family
+        self.num_generated_tokens += len(new_beams)
+        if new_beams[0].num_output_tokens >= params.max_tokens:   # out of tokens: the live beams end here
+            for beam in new_beams:
+                self.completed_beams[request_id].append((beam.token_ids[beam.num_prompt_tokens:], beam.cum_logprob))
+                self.scheduler.finish(beam, "length")
+            new_beams = []
+        self.beams[request_id] = new_beams
+
+    def _beam_output(self, request_id):
+        first = min((s for s in self.scheduler.finished if s.request_id == request_id), key=lambda s: s.seq_id)
+        self.scheduler.finished = [s for s in self.scheduler.finished if s.request_id != request_id]
+        self.generators.pop(request_id), self.beams.pop(request_id)
+        params = first.params
+        score = lambda tokens, cum: cum / len(tokens) ** params.length_penalty
+        best = sorted(self.completed_beams.pop(request_id), key=lambda c: score(*c), reverse=True)[:params.beam_width]
+        return BeamSearchOutput(request_id, first.token_ids[:first.num_prompt_tokens],
+                                [BeamSearchSequence(t, self._detokenize(t), c, score(t, c)) for t, c in best])
 
     def _output(self, request_id):
         seqs = sorted((s for s in self.scheduler.finished if s.request_id == request_id), key=lambda s: s.seq_id)
@@ -611,30 +866,53 @@ class LLM:
     # -- one step
 
     def step(self):
-        """Schedule, copy, run the model on one flat batch, sample, postprocess. Returns the batch."""
+        """Schedule, copy blocks, run the model on one flat batch, sample, postprocess. Returns the batch."""
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         assert batch.seqs, "the scheduler found nothing to run (a request too large for the pool?)"
-        # 1. copy-on-write: copy whole blocks (all layers, K and V) before anybody writes into them
-        if batch.copies:
-            src, dst = (torch.tensor(x, device=self.device) for x in zip(*batch.copies))
-            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
-        # 2. the batch as tensors (model.Batch), and which sequences sample a token this step
+        # 1. block copies, in the order the scheduler decided them, before anybody writes into a block
+        self.copy_blocks(batch.block_copies)
+        # 2. the batch as tensors (model.Batch), and which sequences get a next token this step
         model_batch, samplers = self._prepare(batch)
         # 3. the model writes every new token's K/V into its slot and returns logits for the samplers
         logits = self.model(model_batch, self.kv_cache).cpu()   # (num_samplers, vocab)
-        # 4. sampling: n tokens at the first sample of an n>1 request (those fork), else one
+        # 4. sampling: n tokens at the first sample of an n>1 request (those fork), else one;
+        #    a beam keeps its log-probs until all beams of its request have theirs
         sampled = {}
         for seq, row in zip(samplers, logits):
-            n = seq.params.n if seq.num_output_tokens == 0 else 1
-            sampled[seq] = self._sample(row, seq.params, self.generators[seq.request_id], n)
+            if isinstance(seq.params, BeamSearchParams):
+                seq.logprobs = row.log_softmax(-1)
+            else:
+                n = seq.params.n if seq.num_output_tokens == 0 else 1
+                sampled[seq] = self._sample(row, seq.params, self.generators[seq.request_id], n)
         # 5. metrics, then the scheduler advances the sequences
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             is_decode = n == 1 and seq.num_output_tokens > 0 and seq.num_computed_tokens == len(seq) - 1
             self.num_prefill_tokens_computed += 0 if is_decode else n
         self.num_generated_tokens += sum(len(t) for t in sampled.values())
         self.scheduler.postprocess(batch, sampled)
+        # 6. beam search: a round ends when every live beam of a request is running with its log-probs
+        for request_id, beams in self.beams.items():
+            if beams and all(b.logprobs is not None and b.status is SequenceStatus.RUNNING for b in beams):
+                self._beam_round(request_id)
         self.num_steps += 1
+        if self.scheduler.cost is not None:
+            self.scheduler.cost.observe_step(batch.num_tokens, time.perf_counter() - t0)
+        if self.debug_blocks:   # the debug log: every block event of this step
+            for event, seq_id, block_id, detail in self.block_manager.events:
+                print(f"step {self.num_steps:5}  seq {seq_id:4}  {event:9} block {block_id:5}  {detail}", file=sys.stderr)
+            self.block_manager.events.clear()
         return batch
+
+    def copy_blocks(self, block_copies):
+        """Carry out a ScheduledBatch's block copies, in order: each moves every layer's K and V of one block."""
+        for kind, src, dst in block_copies:
+            if kind == "copy":        # copy-on-write inside the device pool
+                self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
+            elif kind == "swap out":  # device -> pinned host memory; the CUDA stream keeps the order
+                self.cpu_cache[:, :, dst].copy_(self.kv_cache[:, :, src], non_blocking=True)
+            else:                     # swap in: host -> device
+                self.kv_cache[:, :, dst].copy_(self.cpu_cache[:, :, src], non_blocking=True)
 
     def _prepare(self, batch):
         from model import Batch
@@ -684,6 +962,8 @@ class LLM:
             "prefix_cache_hits": bm.prefix_cache_hits,
             "prefix_cache_hit_rate": bm.prefix_cache_hits / bm.prefix_cache_queries if bm.prefix_cache_queries else 0.0,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_swapped_out_blocks": bm.num_swapped_out_blocks,
+            "num_swapped_in_blocks": bm.num_swapped_in_blocks,
             "num_cow_copies": bm.num_cow_copies,
             "num_evictions": bm.num_evictions,
             "num_prefill_tokens_computed": self.num_prefill_tokens_computed,

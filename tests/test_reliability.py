@@ -1,0 +1,246 @@
+"""Nothing is ever lost: pressure runs in every preemption mode, swapping keeps K/V intact, beam search
+on shared blocks equals a simple beam search, and the debug log accounts for every reference."""
+import io
+from contextlib import redirect_stderr
+
+import pytest
+import torch
+
+from conftest import assert_no_block_held, checked
+from nanopaged import LLM, BeamSearchParams, SamplingParams, ScheduledBatch
+
+
+def ids(seed, n, vocab=256):
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# ----------------------------------------------------------------------------------------------
+# Pressure: 120 requests, a pool at about a sixth of their peak need
+
+
+def pressure_workload():
+    """Mixed lengths, four shared prefixes, every fifth request n=3 (greedy, so its samples agree)."""
+    g = torch.Generator().manual_seed(0)
+    prefixes = [ids(100 + i, 12 + 8 * i) for i in range(4)]
+    prompts, params = [], []
+    for i in range(120):
+        own = ids(1000 + i, int(torch.randint(1, 30, (1,), generator=g)))
+        prompts.append((prefixes[i % 4] if i % 3 else []) + own)
+        params.append(SamplingParams(temperature=0, max_tokens=int(torch.randint(2, 24, (1,), generator=g)),
+                                     n=3 if i % 5 == 0 else 1))
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def unconstrained():
+    """The workload with room for everything: its outputs and its peak block need."""
+    prompts, params = pressure_workload()
+    llm = LLM("random:tiny", block_size=4, num_blocks=4000)
+    peak = 0
+    step = llm.step
+
+    def watch():
+        nonlocal peak
+        batch = step()
+        peak = max(peak, llm.block_manager.num_used_blocks())
+        return batch
+
+    llm.step = watch
+    outs = llm.generate(prompts, params)
+    assert llm.stats()["num_preemptions"] == 0
+    return [[c.token_ids for c in o.outputs] for o in outs], peak
+
+
+@pytest.fixture(scope="module")
+def pressure_runs(unconstrained):
+    want, peak = unconstrained
+    prompts, params = pressure_workload()
+    runs = {}
+    for mode in ("recompute", "swap", "auto"):
+        llm = checked(LLM("random:tiny", block_size=4, num_blocks=peak // 6, preemption_mode=mode,
+                          num_cpu_blocks=0 if mode == "recompute" else peak // 6))
+        outs = llm.generate(prompts, params)
+        runs[mode] = ([[c.token_ids for c in o.outputs] for o in outs], llm)
+    return runs
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
+def test_pressure_run_finishes_everything_with_unconstrained_outputs(unconstrained, pressure_runs, mode):
+    """At a sixth of the peak need, every request finishes with the unconstrained run's greedy tokens, and no block is held."""
+    want, peak = unconstrained
+    got, llm = pressure_runs[mode]
+    stats = llm.stats()
+    assert peak // 6 < peak and stats["num_preemptions"] > 0
+    if mode != "recompute":
+        assert stats["num_swapped_out_blocks"] > 0 and stats["num_swapped_in_blocks"] == stats["num_swapped_out_blocks"]
+    else:
+        assert stats["num_swapped_out_blocks"] == 0
+    assert len(got) == 120 and got == want
+    assert_no_block_held(llm)
+    assert len(llm.block_manager.free_cpu_block_ids) == llm.block_manager.num_cpu_blocks and not llm.block_manager.swapped
+
+
+def test_swap_and_recompute_give_identical_outputs(pressure_runs):
+    """The same workload preempted by swapping and by recomputing gives the same tokens."""
+    assert pressure_runs["swap"][0] == pressure_runs["recompute"][0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Swapping keeps K/V intact
+
+
+def kv_of(llm, seq, cache=None):
+    """seq's K/V in logical order, gathered through its block table: (2, layers, tokens, kv_heads, head_dim)."""
+    cache = llm.kv_cache if cache is None else cache
+    n = seq.num_computed_tokens
+    return cache[:, :, seq.block_table].flatten(2, 3)[:, :, :n].clone()
+
+
+def test_swap_out_and_in_keeps_kv_and_continues_exactly():
+    """A request swapped out and back in mid-generation holds the same K/V bit for bit and ends as one that never left."""
+    prompt, params = ids(7, 21), SamplingParams(temperature=0, max_tokens=12, n=2)
+    want = [c.token_ids for c in LLM("random:tiny", block_size=4, num_blocks=64).generate([prompt], params)[0].outputs]
+    llm = checked(LLM("random:tiny", block_size=4, num_blocks=64, num_cpu_blocks=32, preemption_mode="swap"))
+    [request_id] = llm.add_requests([prompt], params)
+    for _ in range(5):
+        llm.step()
+    seqs = list(llm.scheduler.running)
+    assert len(seqs) == 2 and seqs[0].block_table[:5] == seqs[1].block_table[:5]   # samples share the prompt
+    before = [kv_of(llm, s) for s in seqs]
+    batch = ScheduledBatch()
+    assert llm.scheduler.preempt(request_id, batch, mode="swap") == "swap"
+    llm.copy_blocks(batch.block_copies)
+    distinct = len({b for s in seqs for b in s.block_table})
+    assert len(batch.block_copies) == distinct            # each distinct block moved once: sharing survives
+    assert seqs[0].block_table[:5] == seqs[1].block_table[:5]
+    for s, kv in zip(seqs, before):
+        assert torch.equal(kv_of(llm, s, llm.cpu_cache), kv)
+    llm.block_manager.check_invariants()
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks   # all on the CPU now
+    llm.step()   # swaps the request back in and continues
+    assert all(s.status.value == "running" or s.status.value == "finished" for s in seqs)
+    while llm.scheduler.has_unfinished():
+        llm.step()
+    out = llm._output(request_id)
+    assert [c.token_ids for c in out.outputs] == want
+    assert_no_block_held(llm)
+
+
+def test_swapped_in_kv_equals_swapped_out_kv():
+    """After the round trip the device blocks hold exactly the K/V that left."""
+    llm = checked(LLM("random:tiny", block_size=4, num_blocks=64, num_cpu_blocks=32, preemption_mode="swap"))
+    [request_id] = llm.add_requests([ids(8, 18)], SamplingParams(temperature=0, max_tokens=20))
+    for _ in range(4):
+        llm.step()
+    [seq] = llm.scheduler.running
+    before = kv_of(llm, seq)
+    batch = ScheduledBatch()
+    llm.scheduler.preempt(request_id, batch, mode="swap")
+    llm.copy_blocks(batch.block_copies)
+    llm.kv_cache.normal_()   # whatever the device pool held is gone
+    batch = llm.scheduler.schedule()
+    assert [k for k, _, _ in batch.block_copies if k == "swap in"] and seq in batch.seqs
+    llm.copy_blocks(batch.block_copies)
+    assert torch.equal(kv_of(llm, seq), before)
+
+
+# ----------------------------------------------------------------------------------------------
+# Beam search: the paged engine against a plain beam search with full recompute
+
+
+def simple_beam_search(hf, prompt, width, max_tokens, eos_ids, length_penalty=1.0):
+    """Beam search written plainly: no cache, every step recomputes every beam from scratch."""
+    beams, completed = [([], 0.0)], []
+    for _ in range(max_tokens):
+        candidates = []
+        for tokens, cum in beams:
+            with torch.no_grad():
+                logprobs = hf(torch.tensor([prompt + tokens])).logits[0, -1].float().log_softmax(-1)
+            top = logprobs.topk(2 * width)
+            candidates += [(cum + lp, tokens, t) for lp, t in zip(top.values.tolist(), top.indices.tolist())]
+        completed += [(tokens + [t], c) for c, tokens, t in candidates if t in eos_ids]
+        beams = [(tokens + [t], c) for c, tokens, t in
+                 sorted((c for c in candidates if c[2] not in eos_ids), key=lambda c: c[0], reverse=True)[:width]]
+    completed += beams
+    return max(completed, key=lambda c: c[1] / len(c[0]) ** length_penalty)[0]
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_beam_search_matches_simple_beam_search_tiny(width):
+    """On random:tiny the best beam equals the plain beam search's, for several prompts in one call."""
+    from model import load_hf
+    hf, _ = load_hf("random:tiny")
+    prompts = [ids(20, 5), ids(21, 14), ids(22, 9)]
+    llm = checked(LLM("random:tiny", block_size=4, num_blocks=96))
+    outs = llm.beam_search(prompts, BeamSearchParams(beam_width=width, max_tokens=10))
+    for prompt, out in zip(prompts, outs):
+        assert out.sequences[0].token_ids == simple_beam_search(hf, prompt, width, 10, set())
+        assert len(out.sequences) == width
+        assert [s.score for s in out.sequences] == sorted([s.score for s in out.sequences], reverse=True)
+    assert_no_block_held(llm)
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_beam_search_matches_simple_beam_search_default_model(default_hf, width):
+    """On the default model (eos ends beams) the best beam equals the plain beam search's."""
+    hf, tokenizer = default_hf
+    prompts = [tokenizer.encode(p, add_special_tokens=False) for p in ["The capital of France is", "def add(a, b):"]]
+    llm = checked(LLM(num_blocks=128))
+    outs = llm.beam_search(prompts, BeamSearchParams(beam_width=width, max_tokens=8))
+    for prompt, out in zip(prompts, outs):
+        assert out.sequences[0].token_ids == simple_beam_search(hf, prompt, width, 8, {2})
+    assert_no_block_held(llm)
+
+
+def test_beam_search_width4_shares_blocks():
+    """Width-4 beams hold at most 60% of the blocks they would hold unshared; copies only of partial blocks."""
+    llm = checked(LLM("random:tiny", block_size=16, num_blocks=128))
+    shared = unshared = 0
+    step = llm.step
+
+    def watch():
+        nonlocal shared, unshared
+        batch = step()
+        beams = [s for s in llm.scheduler.running]
+        shared = max(shared, len({b for s in beams for b in s.block_table}))
+        unshared = max(unshared, sum(len(s.block_table) for s in beams))
+        return batch
+
+    llm.step = watch
+    llm.beam_search([ids(30, 100)], BeamSearchParams(beam_width=4, max_tokens=24))
+    assert shared <= 0.6 * unshared, f"{shared} blocks with sharing vs {unshared} without"
+    assert llm.stats()["num_cow_copies"] > 0
+    assert_no_block_held(llm)
+
+
+def test_beam_search_under_preemption_matches_unconstrained():
+    """Beam search in a pool too small for every request at once preempts and still finds the same beams."""
+    prompts, params = [ids(40 + i, 6 + 3 * i) for i in range(5)], BeamSearchParams(beam_width=3, max_tokens=10)
+    want = [[s.token_ids for s in o.sequences] for o in LLM("random:tiny", block_size=4, num_blocks=200).beam_search(prompts, params)]
+    for mode, cpu in (("recompute", 0), ("swap", 40)):
+        llm = checked(LLM("random:tiny", block_size=4, num_blocks=20, num_cpu_blocks=cpu, preemption_mode=mode))
+        got = [[s.token_ids for s in o.sequences] for o in llm.beam_search(prompts, params)]
+        assert llm.stats()["num_preemptions"] > 0
+        assert got == want
+        assert_no_block_held(llm)
+
+
+# ----------------------------------------------------------------------------------------------
+# The debug log
+
+
+def test_debug_log_accounts_for_every_reference():
+    """With debug_blocks on, every block event is logged with step and sequence, and the references balance."""
+    llm = LLM("random:tiny", block_size=4, num_blocks=20, num_cpu_blocks=20, preemption_mode="swap", debug_blocks=True)
+    err = io.StringIO()
+    with redirect_stderr(err):
+        llm.generate([ids(50, 10), ids(51, 9), ids(52, 11) + ids(50, 10)], SamplingParams(temperature=0, max_tokens=12, n=2))
+    lines = err.getvalue().splitlines()
+    events = [line.split()[4] for line in lines]
+    for kind in ("allocate", "ref+1", "ref-1", "free", "copy", "swap", "register"):
+        assert kind in events, f"no {kind} event in the log"
+    assert all(line.startswith("step") and " seq " in line for line in lines)
+    gained = sum(e in ("allocate", "ref+1") for e in events)   # swap-ins allocate on the device again
+    lost = sum(e == "ref-1" for e in events)
+    assert gained == lost
+    assert_no_block_held(llm)
