@@ -293,11 +293,15 @@ class BlockManager:
 
     def free(self, seq):
         """Drop seq's hold on its blocks, tail first: the tail is freed earlier, so evicted before the
-        prefix, which other requests are likelier to share."""
-        for block_id in reversed(seq.block_table):
-            self._release(self.blocks[block_id], seq)
+        prefix, which other requests are likelier to share. (A swapped-out seq gives back CPU blocks.)"""
+        if self.swapped.pop(seq.seq_id, None) is not None:
+            for cpu_id in seq.block_table:
+                self._release_cpu(cpu_id)
+        else:
+            for block_id in reversed(seq.block_table):
+                self._release(self.blocks[block_id], seq)
+            self.seqs.pop(seq.seq_id, None)
         seq.block_table = []
-        self.seqs.pop(seq.seq_id, None)
 
     def cache_full_blocks(self, seq):
         """Register seq's blocks that are full and computed in the prefix cache (called after a step).
@@ -341,6 +345,11 @@ class BlockManager:
         self.num_swapped_out_blocks += len(mapping)
         return list(mapping.items())
 
+    def _release_cpu(self, cpu_id):
+        self.cpu_blocks[cpu_id].ref_count -= 1
+        if self.cpu_blocks[cpu_id].ref_count == 0:
+            self.free_cpu_block_ids.append(cpu_id)
+
     def can_swap_in(self, seq, watermark=0):
         distinct = {b for s in self._request(self.swapped, seq.request_id) for b in s.block_table}
         return self.num_free_blocks - len(distinct) >= watermark
@@ -355,10 +364,7 @@ class BlockManager:
                     self._log("swap in", s, mapping[cpu_id], f"from cpu block {cpu_id}")
                 else:
                     self._hold(self.blocks[mapping[cpu_id]], s)
-                cpu_block = self.cpu_blocks[cpu_id]
-                cpu_block.ref_count -= 1
-                if cpu_block.ref_count == 0:
-                    self.free_cpu_block_ids.append(cpu_id)
+                self._release_cpu(cpu_id)
                 s.block_table[i] = mapping[cpu_id]
             self.seqs[s.seq_id] = self.swapped.pop(s.seq_id)
         self.num_swapped_in_blocks += len(mapping)

@@ -1,0 +1,126 @@
+"""Property-based: random operations on a BlockManager (hypothesis) never break an invariant, never
+lose or mix up a token's K/V, and every block comes back at the end.
+
+The K/V are modelled by the token each slot holds: the test writes a sequence's tokens into its slots
+as the model would, makes the block copies the block manager asks for (copy-on-write, swap out, swap
+in), and checks after every operation that each sequence reads its own tokens back through its block
+table, whatever was shared, copied, evicted or swapped."""
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from nanopaged import BlockManager, Sequence
+
+BLOCK_SIZE = 4
+PREFIXES = [list(range(100, 112)), list(range(200, 212)), [100, 101, 102, 103] + list(range(300, 308))]
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.bm = BlockManager(num_blocks=12, block_size=BLOCK_SIZE, num_cpu_blocks=8)
+        self.device, self.cpu = {}, {}   # (block_id, offset) -> the token whose K/V the slot holds
+        self.live, self.swapped = [], []   # sequences on the device; requests (lists) on the CPU
+
+    def write(self, seq, start):
+        """What the model does: K/V of positions start.. go into their slots; then they are computed."""
+        for p in range(start, len(seq)):
+            self.device[(seq.block_table[p // BLOCK_SIZE], p % BLOCK_SIZE)] = seq.token_ids[p]
+        seq.num_computed_tokens = len(seq)
+        self.bm.cache_full_blocks(seq)
+
+    @staticmethod
+    def copy(pairs, src, dst):
+        for a, b in pairs:
+            for o in range(BLOCK_SIZE):
+                if (a, o) in src:
+                    dst[(b, o)] = src[(a, o)]
+                else:
+                    dst.pop((b, o), None)
+
+    @rule(prefix=st.integers(0, 2), k=st.integers(0, 12), own=st.lists(st.integers(0, 40), min_size=1, max_size=9))
+    def allocate(self, prefix, k, own):
+        seq = Sequence(PREFIXES[prefix][:k] + own)
+        if self.bm.can_allocate(seq):
+            self.bm.allocate(seq)
+            self.write(seq, seq.num_computed_tokens)   # prefix hits are not written again
+            self.live.append(seq)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), token=st.integers(0, 40))
+    def append(self, data, token):
+        seq = data.draw(st.sampled_from(self.live))
+        seq.append_token(token)
+        if not self.bm.can_append(seq):
+            seq.token_ids.pop()
+            return
+        copy = self.bm.append_slot(seq)
+        if copy is not None:
+            self.copy([copy], self.device, self.device)
+        self.write(seq, len(seq) - 1)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(self.live))
+        child = Sequence(parent.token_ids, request_id=parent.request_id)
+        self.bm.fork(parent, child)
+        self.live.append(child)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data):
+        seq = data.draw(st.sampled_from(self.live))
+        self.bm.free(seq)
+        self.live.remove(seq)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def swap_out(self, data):
+        seq = data.draw(st.sampled_from(self.live))
+        if self.bm.can_swap_out(seq):
+            group = [s for s in self.live if s.request_id == seq.request_id]
+            self.copy(self.bm.swap_out(seq), self.device, self.cpu)
+            self.live = [s for s in self.live if s not in group]
+            self.swapped.append(group)
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def swap_in(self, data):
+        group = data.draw(st.sampled_from(self.swapped))
+        if self.bm.can_swap_in(group[0]):
+            self.copy(self.bm.swap_in(group[0]), self.cpu, self.device)
+            self.swapped.remove(group)
+            self.live += group
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def free_swapped(self, data):
+        group = data.draw(st.sampled_from(self.swapped))
+        for seq in group:
+            self.bm.free(seq)
+        self.swapped.remove(group)
+
+    @invariant()
+    def rules_hold(self):
+        self.bm.check_invariants()
+
+    @invariant()
+    def every_sequence_reads_its_own_tokens(self):
+        for store, seqs in ((self.device, self.live), (self.cpu, [s for g in self.swapped for s in g])):
+            for seq in seqs:
+                for p in range(seq.num_computed_tokens):
+                    slot = (seq.block_table[p // BLOCK_SIZE], p % BLOCK_SIZE)
+                    assert store.get(slot) == seq.token_ids[p], f"seq {seq.seq_id} position {p} reads {store.get(slot)}"
+
+    def teardown(self):
+        for seq in self.live + [s for g in self.swapped for s in g]:
+            self.bm.free(seq)
+            self.bm.check_invariants()
+        assert self.bm.num_free_blocks == self.bm.num_blocks, "a device block leaked"
+        assert len(self.bm.free_cpu_block_ids) == self.bm.num_cpu_blocks, "a CPU block leaked"
+
+
+BlockManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestBlockManagerProperties = BlockManagerMachine.TestCase
+TestBlockManagerProperties.__doc__ = "Random allocate/append/fork/free/swap/evict sequences keep every invariant and every token."
