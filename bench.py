@@ -18,7 +18,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from nanopaged import LLM, SamplingParams
+from nanopaged import LLM, BeamSearchParams, SamplingParams
 
 SYSTEM = ("You are a careful assistant. Answer in plain words, keep it short, and say when you do not know. ")
 QUESTIONS = ["What is a KV cache?", "Why do blocks help?", "Name a prime number.", "What is copy-on-write?",
@@ -40,6 +40,42 @@ def workload(llm, num_requests, seed=0):
         params.append(SamplingParams(temperature=0.0 if i % 3 else 0.7, max_tokens=int(torch.randint(8, 48, (1,), generator=g)),
                                      n=2 if i == 0 else 1, seed=i, ignore_eos=llm.tokenizer is None))
     return prompts, params
+
+
+def peak_blocks(llm, run):
+    """Run run(llm); return the peak over steps of blocks in use and of blocks the live sequences'
+    tables would hold if none were shared (each sequence holding its own copy of every block)."""
+    peak_shared = peak_unshared = 0
+    step = llm.step
+
+    def watch():
+        nonlocal peak_shared, peak_unshared
+        batch = step()
+        tables = [s.block_table for s in llm.scheduler.running]
+        peak_shared = max(peak_shared, len({b for t in tables for b in t}))
+        peak_unshared = max(peak_unshared, sum(map(len, tables)))
+        return batch
+
+    llm.step = watch
+    run(llm)
+    llm.step = step
+    return peak_shared, peak_unshared
+
+
+def sharing_table(model, device, quick):
+    """Beam search (width 4) and n=4 sampling: blocks held with sharing against without."""
+    table = Table(title="Sharing between samples and beams (block_size 16, peak blocks over the run)")
+    for col in ("workload", "blocks with sharing", "blocks without", "share of unshared", "copy-on-write copies"):
+        table.add_column(col, justify="right" if col != "workload" else "left")
+    max_tokens = 16 if quick else 64
+    for name, run in (("beam search, width 4", lambda l, p: l.beam_search([p], BeamSearchParams(4, max_tokens))),
+                      ("sampling, n=4", lambda l, p: l.generate([p], SamplingParams(temperature=1.0, n=4, max_tokens=max_tokens, ignore_eos=True)))):
+        llm = LLM(model, device=device, num_blocks=512)
+        prompt = (llm.tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[4]}], add_generation_prompt=True,
+                                                    tokenize=False) if llm.tokenizer else list(range(1, 60)))
+        shared, unshared = peak_blocks(llm, lambda l: run(l, prompt))
+        table.add_row(name, str(shared), str(unshared), f"{shared / unshared:.0%}", str(llm.stats()["num_cow_copies"]))
+    return table
 
 
 def main():
@@ -87,6 +123,7 @@ def main():
     table.add_row("output tokens per second", f"{stats['num_generated_tokens'] / elapsed:.1f}")
     table.add_row("mean ttft (s)", f"{sum(o.ttft for o in outs) / len(outs):.3f}")
     console.print(table)
+    console.print(sharing_table(model, args.device, args.quick))
 
 
 if __name__ == "__main__":

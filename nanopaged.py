@@ -994,13 +994,25 @@ def main():
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
     p.add_argument("--n", type=int, default=1, help="samples per prompt (they share the prompt's blocks)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--beam-width", type=int, default=0, help="beam search of this width instead of sampling")
+    p.add_argument("--num-cpu-blocks", type=int, default=0, help="blocks in the CPU swap pool")
+    p.add_argument("--preemption-mode", default="auto", choices=["recompute", "swap", "auto"],
+                   help="what to do with the newest request when blocks run out")
+    p.add_argument("--debug-blocks", action="store_true",
+                   help="log every ref-count change, allocation, free, copy, eviction and swap to stderr")
     args = p.parse_args()
-    llm = LLM(args.model, device=args.device, block_size=args.block_size, num_blocks=args.num_blocks)
+    llm = LLM(args.model, device=args.device, block_size=args.block_size, num_blocks=args.num_blocks,
+              num_cpu_blocks=args.num_cpu_blocks, preemption_mode=args.preemption_mode, debug_blocks=args.debug_blocks)
     prompts = PROMPTS if llm.tokenizer else [[1 + i] * (5 + 3 * i) for i in range(len(PROMPTS))]
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, n=args.n)
-    for out in llm.generate(prompts, params):
-        for c in out.outputs:
-            print(f"[{out.request_id}.{c.index}] {c.text or c.token_ids!r}  ({c.finish_reason})")
+    if args.beam_width:
+        for out in llm.beam_search(prompts, BeamSearchParams(args.beam_width, args.max_tokens)):
+            for i, b in enumerate(out.sequences):
+                print(f"[{out.request_id}.{i}] {b.text or b.token_ids!r}  (score {b.score:.3f})")
+    else:
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, n=args.n)
+        for out in llm.generate(prompts, params):
+            for c in out.outputs:
+                print(f"[{out.request_id}.{c.index}] {c.text or c.token_ids!r}  ({c.finish_reason})")
     for k, v in llm.stats().items():
         print(f"{k:28} {v:.3f}" if isinstance(v, float) else f"{k:28} {v}")
 
