@@ -62,14 +62,164 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_s
 
 
 # ----------------------------------------------------------------------------------------------
+# The Triton kernel: one program per (sequence, KV head, tile of new tokens[, slice of context])
+#
+# Rows of a program are (new token, query head) pairs: the GROUP query heads that share one KV head
+# are handled together, so every K/V tile is loaded once for the whole group (grouped-query
+# attention saves bandwidth only if the kernel exploits it). The context is walked in tiles of
+# BLOCK_N tokens; each token's physical slot comes from the block table, so any power-of-two
+# block_size works. Softmax is online (running max m, running sum l), so no score matrix is stored.
+
+try:
+    import triton
+    import triton.language as tl
+    jit = triton.jit
+except ImportError:   # no Triton on this platform: the PyTorch reference serves every call
+    triton, tl, jit = None, type("tl", (), {"constexpr": None}), (lambda fn: fn)
+
+
+@jit
+def paged_attention_kernel(
+    out_ptr,            # (num_tokens, num_heads, head_dim) output, or (splits, num_tokens, num_heads, head_dim) float32 partials
+    lse_ptr,            # (splits, num_tokens, num_heads) float32: log-sum-exp of each partial (split path only)
+    q_ptr,              # (num_tokens, num_heads, head_dim) new tokens' queries, sequences back to back
+    k_cache_ptr,        # (num_blocks, block_size, num_kv_heads, head_dim) this layer's K pool
+    v_cache_ptr,        # (num_blocks, block_size, num_kv_heads, head_dim) this layer's V pool
+    block_tables_ptr,   # (num_seqs, max_blocks_per_seq) int32 physical block ids
+    context_lens_ptr,   # (num_seqs,) int32 tokens in each context, new ones included
+    query_start_loc_ptr,  # (num_seqs + 1,) int32 sequence i's new tokens are rows [qsl[i], qsl[i+1]) of q
+    scale,              # 1 / sqrt(head_dim)
+    stride_qt, stride_qh,            # q strides per token and per head (head_dim is contiguous)
+    stride_kb, stride_kt, stride_kh,  # cache strides per block, per slot, per KV head (same for V)
+    stride_bt,                       # block table stride per sequence
+    stride_ot, stride_oh, stride_os,  # output strides per token, per head, per split
+    stride_lt, stride_ls,            # lse strides per token, per split (head is contiguous)
+    NUM_SPLITS: tl.constexpr,        # 1: the whole context in one program; >1: flash-decoding
+    GROUP: tl.constexpr,             # query heads per KV head
+    GROUP_P: tl.constexpr,           # GROUP rounded up to a power of two
+    BLOCK_M: tl.constexpr,           # new tokens per program (rows = BLOCK_M * GROUP_P)
+    BLOCK_N: tl.constexpr,           # context tokens per tile
+    BLOCK_SIZE: tl.constexpr,        # tokens per KV cache block
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,           # HEAD_DIM rounded up to a power of two
+):
+    seq, kv_head, tile_split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    tile, split = tile_split // NUM_SPLITS, tile_split % NUM_SPLITS
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    ctx = tl.load(context_lens_ptr + seq)
+    if tile * BLOCK_M >= q_len:
+        return   # this sequence has fewer new tokens than the grid allows for
+    # 1. the rows: token t of this tile, query head h of this KV head's group
+    rows = tl.arange(0, BLOCK_M * GROUP_P)
+    t, h = tile * BLOCK_M + rows // GROUP_P, rows % GROUP_P
+    row_ok = (t < q_len) & (h < GROUP)
+    q_pos = ctx - q_len + t                  # each new token's position in its sequence
+    d = tl.arange(0, BLOCK_D)
+    q_offs = (q_start + t)[:, None] * stride_qt + (kv_head * GROUP + h)[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    # 2. the context this program reads: causal, so nothing past this tile's last token; split evenly
+    kv_end = tl.minimum(ctx, ctx - q_len + (tile + 1) * BLOCK_M)
+    per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), NUM_SPLITS) * BLOCK_N
+    kv_lo, kv_hi = split * per_split, tl.minimum(kv_end, (split + 1) * per_split)
+    m = tl.full([BLOCK_M * GROUP_P], float("-inf"), tl.float32)   # running max of the scores
+    l = tl.zeros([BLOCK_M * GROUP_P], tl.float32)                 # running sum of exp(score - m)
+    acc = tl.zeros([BLOCK_M * GROUP_P, BLOCK_D], tl.float32)      # running sum of p * V
+    for n in range(kv_lo, kv_hi, BLOCK_N):
+        # 3. the block-table walk: token pos lives in block block_table[pos // BLOCK_SIZE] at slot pos % BLOCK_SIZE
+        pos = n + tl.arange(0, BLOCK_N)
+        pos_ok = pos < kv_hi
+        block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=pos_ok, other=0)
+        kv_offs = block[:, None] * stride_kb + (pos % BLOCK_SIZE)[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
+        kv_mask = pos_ok[:, None] & (d[None, :] < HEAD_DIM)
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)   # (BLOCK_N, BLOCK_D), once for the group
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        # 4. scores, causal mask, online softmax
+        s = tl.dot(q, tl.trans(k)) * scale                           # (rows, BLOCK_N) float32
+        s = tl.where(pos_ok[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)       # a row with no key yet: keep zeros
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    # 5. normalise; the split path also writes the log-sum-exp so that partials can be merged
+    l_safe = tl.where(l == 0.0, 1.0, l)
+    out = acc / l_safe[:, None]
+    out_offs = (q_start + t)[:, None] * stride_ot + (kv_head * GROUP + h)[:, None] * stride_oh + d[None, :]
+    out_mask = row_ok[:, None] & (d[None, :] < HEAD_DIM)
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(out_ptr + split * stride_os + out_offs, out, mask=out_mask)
+        lse = tl.where(l == 0.0, float("-inf"), m + tl.log(l_safe))
+        tl.store(lse_ptr + split * stride_ls + (q_start + t) * stride_lt + kv_head * GROUP + h, lse, mask=row_ok)
+
+
+def next_pow2(n):
+    return 1 << (int(n) - 1).bit_length()
+
+
+def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
+                           max_query_len=None, num_kv_splits=1, out=None):
+    """Launch the kernel. max_query_len: the most new tokens of one sequence (pass it to avoid a
+    device-to-host read). num_kv_splits > 1 turns on flash-decoding: each (sequence, KV head) reads
+    its context in that many slices at once, and the partial results are merged by log-sum-exp;
+    it pays off when few sequences with long contexts leave most of the GPU idle. out: where to
+    write (tests pass one filled with NaN, so that a value the kernel forgot shows)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = block_tables.shape[0]
+    group = num_heads // num_kv_heads
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    # tl.dot wants at least 16 rows: decodes (1 token) fill them with the group's heads
+    group_p = next_pow2(group)
+    block_m = max(1, (16 if max_query_len == 1 else 64) // group_p)
+    grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_m) * num_kv_splits)
+    out = torch.empty_like(q) if out is None else out
+    if num_kv_splits == 1:
+        partial, lse = out, out.new_empty(1, 1, 1, dtype=torch.float32)   # lse unused
+    else:
+        partial = torch.empty(num_kv_splits, num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(num_kv_splits, num_tokens, num_heads, dtype=torch.float32, device=q.device)
+    paged_attention_kernel[grid](
+        partial, lse, q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        partial.stride(-3), partial.stride(-2), partial.stride(0) if num_kv_splits > 1 else 0, lse.stride(1), lse.stride(0),
+        NUM_SPLITS=num_kv_splits, GROUP=group, GROUP_P=group_p, BLOCK_M=block_m, BLOCK_N=64 if head_dim <= 64 else 32,
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim))
+    if num_kv_splits > 1:   # merge: weight each slice's normalised output by its share of the total exp-sum
+        w = torch.softmax(lse, dim=0).nan_to_num(0.0)                 # (splits, num_tokens, num_heads)
+        out.copy_((w[..., None] * partial).sum(0))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
 # Dispatch: CPU tensors take the reference. NANOPAGED_ATTENTION=torch|triton forces one.
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale):
-    backend = os.environ.get("NANOPAGED_ATTENTION", "torch")
-    if backend != "torch":
-        raise ValueError(f"NANOPAGED_ATTENTION={backend!r}: this build has the 'torch' reference only")
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
+def num_kv_splits_for(num_seqs, num_kv_heads, max_context_len, num_sms):
+    """The flash-decoding switch's heuristic: split a context only when (sequence, KV head) programs
+    are too few to fill the GPU's num_sms and contexts are long (at least ~1k tokens per slice)."""
+    programs = num_seqs * num_kv_heads
+    if programs >= num_sms or max_context_len < 2048:
+        return 1
+    return max(1, min(16, max_context_len // 1024, (2 * num_sms) // programs))
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
+                    max_query_len=None, num_kv_splits=1):
+    backend = os.environ.get("NANOPAGED_ATTENTION") or ("triton" if q.is_cuda else "torch")
+    if backend == "torch":
+        return paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
+    if backend != "triton":
+        raise ValueError(f"NANOPAGED_ATTENTION must be 'triton' or 'torch', got {backend!r}")
+    if triton is None:
+        raise RuntimeError("NANOPAGED_ATTENTION=triton, but Triton is not installed")
+    return paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
+                                  max_query_len, num_kv_splits)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -95,8 +95,8 @@ class Attention(nn.Module):
         q, k = rotary(q, cos, sin), rotary(k, cos, sin)
         # 1. every new token's K and V go into its slot; 2. its query reads its whole context from the pool
         store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
-        o = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens,
-                            batch.query_start_loc, self.head_dim ** -0.5)
+        o = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.query_start_loc,
+                            self.head_dim ** -0.5, batch.max_query_len, batch.num_kv_splits)
         return self.o_proj(o.view(T, -1))
 
 
@@ -138,6 +138,8 @@ class Batch:
     context_lens: torch.Tensor     # (S,) int32   tokens in each context, the new ones included
     query_start_loc: torch.Tensor  # (S + 1,) int32  sequence i's new tokens are [qsl[i], qsl[i+1])
     logits_indices: torch.Tensor   # (num_sampled,) int64  last token of each sequence that samples
+    max_query_len: int = 1         # the most new tokens of one sequence: sizes the kernel's grid
+    num_kv_splits: int = 1         # flash-decoding: slices each context is read in at once (kernel.py)
 
 
 class Llama(nn.Module):

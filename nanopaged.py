@@ -720,6 +720,7 @@ class LLM:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
                                    eos_token_ids=eos_token_ids, preemption_mode=preemption_mode, cost=cost)
         self.debug_blocks = debug_blocks
+        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 0
         self.seed = seed
         self.request_ids = itertools.count()
         self.generators = {}   # request_id -> torch.Generator: each request samples from its own stream
@@ -922,6 +923,7 @@ class LLM:
 
     def _prepare(self, batch):
         from model import Batch
+        from kernel import num_kv_splits_for
         bs = self.block_manager.block_size
         input_ids, positions, slots, query_start_loc, logits_indices, samplers = [], [], [], [0], [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -936,11 +938,14 @@ class LLM:
         max_blocks = max(len(s.block_table) for s in batch.seqs)
         block_tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch.seqs]
         t = lambda x, dtype: torch.tensor(x, dtype=dtype, device=self.device)
+        context_lens = [s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)]
+        num_kv_splits = 1 if self.device.type != "cuda" else num_kv_splits_for(
+            len(batch.seqs), self.model.config.num_kv_heads, max(context_lens), self.num_sms)
         return Batch(input_ids=t(input_ids, torch.long), positions=t(positions, torch.long),
                      slot_mapping=t(slots, torch.long), block_tables=t(block_tables, torch.int32),
-                     context_lens=t([s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)], torch.int32),
-                     query_start_loc=t(query_start_loc, torch.int32),
-                     logits_indices=t(logits_indices, torch.long)), samplers
+                     context_lens=t(context_lens, torch.int32), query_start_loc=t(query_start_loc, torch.int32),
+                     logits_indices=t(logits_indices, torch.long), max_query_len=max(batch.num_new_tokens),
+                     num_kv_splits=num_kv_splits), samplers
 
     @staticmethod
     def _sample(logits, params, generator, n):
