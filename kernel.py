@@ -197,7 +197,8 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, quer
 
 
 # ----------------------------------------------------------------------------------------------
-# Dispatch: CPU tensors take the reference. NANOPAGED_ATTENTION=torch|triton forces one.
+# Dispatch: CUDA tensors take the Triton kernel, CPU tensors the reference; NANOPAGED_ATTENTION=torch
+# or =triton forces one (=triton on CPU tensors needs TRITON_INTERPRET=1: Triton's interpreter)
 
 
 def num_kv_splits_for(num_seqs, num_kv_heads, max_context_len, num_sms):

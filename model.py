@@ -97,7 +97,7 @@ class Attention(nn.Module):
         store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.query_start_loc,
                             self.head_dim ** -0.5, batch.max_query_len, batch.num_kv_splits)
-        return self.o_proj(o.view(T, -1))
+        return self.o_proj(o.view(T, -1))   # o: (num_tokens, heads, head_dim)
 
 
 class MLP(nn.Module):  # SwiGLU
@@ -203,9 +203,9 @@ def load_hf(name=None, seed=0):
         torch.manual_seed(seed)
         hf = LlamaForCausalLM(hf_cfg).float().eval()
         with torch.no_grad():   # transformers' init (std 0.02) gives near-flat logits: one token forever
-            for name, p in hf.named_parameters():
+            for param_name, p in hf.named_parameters():
                 if p.dim() == 2:   # unit-variance activations, so greedy outputs vary and tests can tell
-                    p.normal_(0.0, 1.0 if "embed" in name else p.shape[1] ** -0.5)
+                    p.normal_(0.0, 1.0 if "embed" in param_name else p.shape[1] ** -0.5)
         return hf, None
     path, extra = (default_model_dir(), {"gguf_file": GGUF_FILE}) if name in (None, "smollm2") else (name, {})
     if not os.path.isdir(path):

@@ -8,16 +8,19 @@ table mapping its logical blocks to physical ones. That one indirection buys:
   - sharing: requests with the same prefix point at the same blocks (prefix caching, through a
     hash chain), samples of one prompt share its blocks (fork), counted by ref_count;
   - copy-on-write: a shared block is copied only when somebody must write into it;
-  - preemption: when blocks run out, the newest request gives its blocks back and is recomputed.
+  - preemption: when blocks run out, the newest request gives its blocks back, swapped to a CPU
+    pool of the same block shape or freed to be recomputed later;
+  - beam search on shared blocks: beams fork and die every step, their common prefix stays shared.
 
 Read it in the order one request travels:
-  1. SamplingParams, Sequence            what a request is
-  2. BlockManager                        the block pool: allocate, prefix cache, fork, copy-on-write, free
-  3. Scheduler                           which tokens run this step; preemption when blocks run out
-  4. LLM                                 the engine: tensors for the model, sampling, generate()
+  1. SamplingParams, BeamSearchParams, Sequence     what a request is
+  2. BlockManager        the block pool: allocate, prefix cache, fork, copy-on-write, free, swap
+  3. Scheduler           which tokens run this step; preemption when blocks run out
+  4. LLM                 the engine: block copies, tensors for the model, sampling, beam search
   5. command line
 
     python nanopaged.py                  generate from a few prompts with the default model
+    python nanopaged.py --help           the knobs (block size, pool sizes, preemption, debug log)
 """
 import argparse
 import bisect
@@ -30,6 +33,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
+
+from kernel import num_kv_splits_for
+from model import Batch, load_model   # transformers is imported only when a model is loaded
 
 # ----------------------------------------------------------------------------------------------
 # 1. What a request is
@@ -58,6 +64,24 @@ class SamplingParams:
             raise ValueError(f"n must be >= 1, got {self.n}")
 
 
+@dataclass
+class BeamSearchParams:
+    beam_width: int
+    max_tokens: int = 16
+    length_penalty: float = 1.0   # score = cum_logprob / num_output_tokens ** length_penalty
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.beam_width < 1:
+            raise ValueError(f"beam_width must be >= 1, got {self.beam_width}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+    @property
+    def n(self):   # the most sequences the request holds at once: what _validate sizes the pool by
+        return self.beam_width
+
+
 class SequenceStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -82,7 +106,9 @@ class Sequence:
         self.block_table = []          # physical block ids, one per block_size tokens
         self.block_hashes = []         # hash chain over this sequence's full blocks (see BlockManager)
         self.finish_reason = None      # "stop" (eos) or "length" (max_tokens)
-        self.logprobs, self.cum_logprob = None, 0.0   # beam search: next-token log-probs, the beam's total
+        self.prefill_until = 0         # tokens before this position are prefill (set at each admission)
+        self.logprobs = None           # beam search: (vocab,) float32 next-token log-probs, on the CPU
+        self.cum_logprob = 0.0         # beam search: the beam's total log-probability
         self.arrival_time, self.first_token_time, self.finish_time = time.perf_counter(), None, None
 
     def __len__(self):
@@ -107,11 +133,13 @@ class Sequence:
 class Block:
     block_id: int
     ref_count: int = 0                 # live block tables that hold this block
-    # set while the block is registered in the prefix cache (full, computed, immutable):
+    # set while the block is registered in the prefix cache (full, computed, immutable). A hash can
+    # collide and tokens only say what this block holds, not what came before it; so a hit must also
+    # follow the very registration of the block before it: by induction the whole prefix matches.
     hash: int | None = None            # chain hash of the whole prefix up to and including this block
-    token_ids: tuple = ()              # its tokens, and ...
-    entry: int | None = None           # ... its registration's number (unique, never reused), and ...
-    parent_entry: int | None = None    # ... the entry of the block before it: a hit must match all three
+    token_ids: tuple = ()              # this block's tokens
+    entry: int | None = None           # this registration's number, unique and never reused
+    parent_entry: int | None = None    # the entry of the block before it in the chain (None: first block)
 
 
 class BlockManager:
@@ -138,7 +166,7 @@ class BlockManager:
         # the CPU tier: swapped-out sequences hold CPU block ids in their block tables
         self.cpu_blocks = [Block(i) for i in range(num_cpu_blocks)]
         self.free_cpu_block_ids = deque(range(num_cpu_blocks))
-        self.swapped = {}                                # seq_id -> Sequence, every sequence holding CPU blocks
+        self.swapped_seqs = {}                           # seq_id -> Sequence, every sequence holding CPU blocks
         # metrics, counted as they happen (DESIGN.md names)
         self.prefix_cache_queries = self.prefix_cache_hits = 0   # in tokens
         self.num_cow_copies = self.num_evictions = 0
@@ -156,7 +184,9 @@ class BlockManager:
 
     @staticmethod
     def compute_hash(parent_hash, token_ids):
-        return hash((parent_hash, tuple(token_ids)))   # ints and tuples hash the same in every run
+        # tuples of ints hash the same in every run (None does not, on Python 3.11: the first block
+        # hashes its tokens alone), so traces and tests are repeatable
+        return hash(tuple(token_ids)) if parent_hash is None else hash((parent_hash, *token_ids))
 
     def _block_hash(self, seq, i):
         """Hash of seq's full block i, computed once and kept on the sequence."""
@@ -294,7 +324,7 @@ class BlockManager:
     def free(self, seq):
         """Drop seq's hold on its blocks, tail first: the tail is freed earlier, so evicted before the
         prefix, which other requests are likelier to share. (A swapped-out seq gives back CPU blocks.)"""
-        if self.swapped.pop(seq.seq_id, None) is not None:
+        if self.swapped_seqs.pop(seq.seq_id, None) is not None:
             for cpu_id in seq.block_table:
                 self._release_cpu(cpu_id)
         else:
@@ -334,14 +364,15 @@ class BlockManager:
         for the engine to copy, one pair per distinct block."""
         mapping = {}   # device block id -> cpu block id
         for s in self._request(self.seqs, seq.request_id):
-            for i, block_id in enumerate(s.block_table):
+            for i in reversed(range(len(s.block_table))):   # tail first, as free() does
+                block_id = s.block_table[i]
                 if block_id not in mapping:
                     mapping[block_id] = self.free_cpu_block_ids.popleft()
                     self._log("swap out", s, block_id, f"to cpu block {mapping[block_id]}")
                 self.cpu_blocks[mapping[block_id]].ref_count += 1
                 self._release(self.blocks[block_id], s)
                 s.block_table[i] = mapping[block_id]
-            self.swapped[s.seq_id] = self.seqs.pop(s.seq_id)
+            self.swapped_seqs[s.seq_id] = self.seqs.pop(s.seq_id)
         self.num_swapped_out_blocks += len(mapping)
         return list(mapping.items())
 
@@ -351,13 +382,19 @@ class BlockManager:
             self.free_cpu_block_ids.append(cpu_id)
 
     def can_swap_in(self, seq, watermark=0):
-        distinct = {b for s in self._request(self.swapped, seq.request_id) for b in s.block_table}
-        return self.num_free_blocks - len(distinct) >= watermark
+        """Room for the request's distinct blocks and for what its next step writes: a new block for
+        a sequence whose last block is full, a copy for each extra holder of a shared last block."""
+        group = [s for s in self._request(self.swapped_seqs, seq.request_id) if len(s) > s.num_computed_tokens]
+        distinct = {b for s in self._request(self.swapped_seqs, seq.request_id) for b in s.block_table}
+        new = sum(self._needs_new_block(s) for s in group)
+        last = [s.block_table[-1] for s in group if not self._needs_new_block(s)]
+        copies = sum(min(last.count(b), self.cpu_blocks[b].ref_count - 1) for b in set(last))
+        return self.num_free_blocks - len(distinct) - new - copies >= watermark
 
     def swap_in(self, seq):
         """Move seq's request back to the device pool. Returns [(cpu_block, device_block)]."""
         mapping = {}   # cpu block id -> device block id
-        for s in self._request(self.swapped, seq.request_id):
+        for s in self._request(self.swapped_seqs, seq.request_id):
             for i, cpu_id in enumerate(s.block_table):
                 if cpu_id not in mapping:
                     mapping[cpu_id] = self._take_free_block(s)
@@ -366,7 +403,7 @@ class BlockManager:
                     self._hold(self.blocks[mapping[cpu_id]], s)
                 self._release_cpu(cpu_id)
                 s.block_table[i] = mapping[cpu_id]
-            self.seqs[s.seq_id] = self.swapped.pop(s.seq_id)
+            self.seqs[s.seq_id] = self.swapped_seqs.pop(s.seq_id)
         self.num_swapped_in_blocks += len(mapping)
         return list(mapping.items())
 
@@ -374,7 +411,7 @@ class BlockManager:
 
     def check_invariants(self):
         """Raises AssertionError naming the broken rule (DESIGN.md, block manager rules)."""
-        for pool, blocks, seqs in (("device", self.blocks, self.seqs), ("cpu", self.cpu_blocks, self.swapped)):
+        for pool, blocks, seqs in (("device", self.blocks, self.seqs), ("cpu", self.cpu_blocks, self.swapped_seqs)):
             holders = [0] * len(blocks)
             for seq in seqs.values():
                 for block_id in seq.block_table:
@@ -382,7 +419,7 @@ class BlockManager:
             for block in blocks:
                 assert block.ref_count == holders[block.block_id], (f"ref_count: {pool} block {block.block_id} has "
                     f"ref_count {block.ref_count} but {holders[block.block_id]} block tables hold it")
-        assert not set(self.seqs) & set(self.swapped), "partition: a sequence holds blocks in both pools"
+        assert not set(self.seqs) & set(self.swapped_seqs), "partition: a sequence holds blocks in both pools"
         cpu_used = {b.block_id for b in self.cpu_blocks if b.ref_count > 0}
         assert len(set(self.free_cpu_block_ids)) == len(self.free_cpu_block_ids) == self.num_cpu_blocks - len(cpu_used) \
             and not cpu_used & set(self.free_cpu_block_ids), "partition: cpu pool's free and used blocks overlap or miss one"
@@ -405,7 +442,7 @@ class BlockManager:
                     block.token_ids == tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
                     and block.hash == self._block_hash(seq, i) and block.parent_entry == (parent.entry if parent else None)), \
                     f"hash map: seq {seq.seq_id} block {i} (physical {block_id}) is registered for another prefix"
-        for seq in [*self.seqs.values(), *self.swapped.values()]:
+        for seq in [*self.seqs.values(), *self.swapped_seqs.values()]:
             assert len(seq.block_table) in (self._num_blocks_for(len(seq)), self._num_blocks_for(len(seq) - 1)), \
                 f"block table: seq {seq.seq_id} has {len(seq.block_table)} blocks for {len(seq)} tokens"
 
@@ -509,8 +546,8 @@ class Scheduler:
 
     def _schedule_running(self, seq, batch, budget):
         """seq's next token (or chunk) joins the batch, with the slot it writes."""
-        if len(seq) == seq.num_computed_tokens:
-            return   # a beam that waits for its siblings' logits: nothing to compute
+        if len(seq) == seq.num_computed_tokens or batch.num_tokens == budget:
+            return   # a beam that waits for its siblings' logits, or no budget left this step
         copy = self.block_manager.append_slot(seq)
         if copy is not None:
             batch.block_copies.append(("copy", *copy))
@@ -525,15 +562,16 @@ class Scheduler:
             if batch.num_tokens == budget:
                 break
             while seq.status is SequenceStatus.RUNNING and not bm.can_append(seq):
-                self.preempt(max(self.running, key=lambda s: s.request_id).request_id, batch)
+                self.preempt(self.running[-1].request_id, batch)   # running is in arrival order
                 preempted = True
             if seq.status is SequenceStatus.RUNNING:   # else it was the newest request: preempted itself
                 self._schedule_running(seq, batch, budget)
         # 2. swapped requests come back before any new one, unless this step had to preempt
         while self.swapped and batch.num_tokens < budget and not preempted:
             group = self.swapped[0]
-            # room for their blocks, plus one new block each for the token they write next
-            if not bm.can_swap_in(group[0], self.watermark_blocks + len(group)):
+            if self.running and len(self.running) + len(group) > self.max_num_seqs:
+                break
+            if not bm.can_swap_in(group[0], self.watermark_blocks if self.running else 0):
                 break
             self.swapped.pop(0)
             batch.block_copies += [("swap in", cpu, dev) for cpu, dev in bm.swap_in(group[0])]
@@ -541,20 +579,24 @@ class Scheduler:
                 self._start_running(seq)
                 self._schedule_running(seq, batch, budget)
         # 3. waiting requests in order, while nothing is swapped out and this step did not preempt
-        while (self.waiting and not self.swapped and batch.num_tokens < budget and not preempted
-               and len(self.running) < self.max_num_seqs):
+        while self.waiting and not self.swapped and batch.num_tokens < budget and not preempted:
             seq = self.waiting[0]
+            # a new n>1 request forks into n sequences at its first token: count them all now
+            num_seqs = seq.params.n if seq.num_output_tokens == 0 else 1
+            if self.running and len(self.running) + num_seqs > self.max_num_seqs:
+                break
             # with nothing running no decode can be starved, so a request may fill the whole pool
             if not bm.can_allocate(seq, self.watermark_blocks if self.running else 0):
                 break
             self.waiting.popleft()
             bm.allocate(seq)
+            seq.prefill_until = len(seq)
             self._start_running(seq)
             batch.add(seq, budget)
         # 4. stuck: every running sequence waits (beams for siblings still queued) and nothing fits:
-        #    make room the usual way, by preempting the newest running request
+        #    make room by recomputing the newest running request (a swap would bring it straight back)
         if not batch.seqs and self.running and (self.waiting or self.swapped):
-            self.preempt(max(self.running, key=lambda s: s.request_id).request_id, batch)
+            self.preempt(self.running[-1].request_id, batch, mode="recompute")
             retry = self.schedule()
             retry.block_copies[:0] = batch.block_copies   # a swap-out decided above still has to happen first
             return retry
@@ -587,7 +629,7 @@ class Scheduler:
         else:
             for seq in victims:
                 self.block_manager.free(seq)
-                seq.status, seq.num_computed_tokens = SequenceStatus.WAITING, 0
+                seq.status, seq.num_computed_tokens, seq.logprobs = SequenceStatus.WAITING, 0, None
             self.waiting.extendleft(reversed(victims))
         self.num_preemptions += 1
         return mode
@@ -616,7 +658,7 @@ class Scheduler:
         """A new sequence of parent's request sharing all its blocks (n>1 samples, beams)."""
         child = Sequence(parent.token_ids, parent.params, parent.request_id)
         child.num_prompt_tokens, child.arrival_time = parent.num_prompt_tokens, parent.arrival_time
-        child.first_token_time = parent.first_token_time
+        child.first_token_time, child.prefill_until = parent.first_token_time, parent.prefill_until
         self.block_manager.fork(parent, child)
         self._start_running(child)
         return child
@@ -651,24 +693,6 @@ class RequestOutput:
 
 
 @dataclass
-class BeamSearchParams:
-    beam_width: int
-    max_tokens: int = 16
-    length_penalty: float = 1.0   # score = cum_logprob / num_output_tokens ** length_penalty
-    ignore_eos: bool = False
-
-    def __post_init__(self):
-        if self.beam_width < 1:
-            raise ValueError(f"beam_width must be >= 1, got {self.beam_width}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-
-    @property
-    def n(self):   # the most sequences the request holds at once: what _validate sizes the pool by
-        return self.beam_width
-
-
-@dataclass
 class BeamSearchSequence:
     token_ids: list      # output tokens (after the prompt)
     text: str
@@ -690,7 +714,6 @@ class LLM:
     def __init__(self, model=None, device=None, dtype=None, block_size=16, num_blocks=None, num_cpu_blocks=0,
                  enable_prefix_caching=True, max_num_seqs=256, max_num_batched_tokens=2048,
                  max_model_len=None, preemption_mode="auto", seed=0, swap_space=None, debug_blocks=False):
-        from model import load_model   # model.py pulls in transformers: only the engine needs it
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a positive power of two (1, 2, 4, ... 16 ...), got {block_size}")
         if preemption_mode not in ("recompute", "swap", "auto"):
@@ -700,6 +723,9 @@ class LLM:
                              "in GiB), or use 'recompute'")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs and max_num_batched_tokens must be >= 1, got {max_num_seqs}, {max_num_batched_tokens}")
+        if (num_blocks is not None and num_blocks < 1) or num_cpu_blocks < 0 or (swap_space or 0) < 0:
+            raise ValueError(f"num_blocks must be >= 1 (or None: from a memory budget), num_cpu_blocks and swap_space "
+                             f">= 0; got {num_blocks}, {num_cpu_blocks}, {swap_space}")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -708,7 +734,7 @@ class LLM:
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         # bytes per block = 2 (K and V) * layers * block_size * kv_heads * head_dim * bytes per number
         bytes_per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
-        num_blocks = num_blocks or self._default_num_blocks(bytes_per_block)
+        num_blocks = num_blocks if num_blocks is not None else self._default_num_blocks(bytes_per_block)
         shape = (2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)  # (K|V, layers, num_blocks, block_size, kv_heads, head_dim)
         # the CPU tier: the same block shape in host memory, pinned on CUDA so copies run asynchronously
@@ -750,7 +776,10 @@ class LLM:
     # -- requests in
 
     def _validate(self, token_ids, params):
-        """Everything that could go wrong with a request, checked before anything changes."""
+        """Everything that could go wrong with a request, checked before anything changes. (The
+        engine's own arguments are checked in __init__ before the model loads, for the same reason.)"""
+        if params.n > self.scheduler.max_num_seqs:
+            raise ValueError(f"n (or beam_width) {params.n} exceeds max_num_seqs ({self.scheduler.max_num_seqs})")
         if not token_ids:
             raise ValueError("empty prompt: a prompt needs at least one token")
         vocab = self.model.config.vocab_size
@@ -774,14 +803,17 @@ class LLM:
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         return list(prompt)
 
-    def add_requests(self, prompts, params=None):
+    def add_requests(self, prompts, params=None, kind=SamplingParams):
         """Validate all, then queue all: a bad prompt leaves the engine as it was. Returns request ids."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = params or SamplingParams()
+        params = params or kind()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt")
+            raise ValueError(f"got {len(params)} {kind.__name__} for {len(prompts)} prompts: give one, or one per prompt")
+        if not all(isinstance(p, kind) for p in params):
+            raise ValueError(f"expected {kind.__name__}, got {type(params[0]).__name__} "
+                             "(generate takes SamplingParams, beam_search takes BeamSearchParams)")
         token_lists = [self._tokenize(p) for p in prompts]
         for token_ids, p in zip(token_lists, params):
             self._validate(token_ids, p)
@@ -807,7 +839,7 @@ class LLM:
         their common prefix's blocks: a beam chosen twice forks (ref_count + 1, no copy), a beam not
         chosen is freed, and only a shared, partly filled last block is ever copied (on write).
         Returns one BeamSearchOutput per prompt, its sequences best first."""
-        request_ids = self.add_requests(prompts, params)
+        request_ids = self.add_requests(prompts, params, kind=BeamSearchParams)
         for r in request_ids:
             self.beams[r] = [s for s in self.scheduler.waiting if s.request_id == r]
             self.completed_beams[r] = []
@@ -826,7 +858,10 @@ class LLM:
             candidates += [(beam.cum_logprob + lp, beam, t) for lp, t in zip(top.values.tolist(), top.indices.tolist())]
             beam.logprobs = None
         ends = lambda t: t in self.scheduler.eos_token_ids and not params.ignore_eos
-        self.completed_beams[request_id] += [(b.token_ids[b.num_prompt_tokens:] + [t], c) for c, b, t in candidates if ends(t)]
+        for cum, beam, t in candidates:
+            if ends(t):   # an eos candidate is a finished sequence: keep its tokens and score, no blocks
+                self.completed_beams[request_id].append((beam.token_ids[beam.num_prompt_tokens:] + [t], cum))
+                self.num_generated_tokens += 1
         chosen = sorted((c for c in candidates if not ends(c[2])), key=lambda c: c[0], reverse=True)[:params.beam_width]
         new_beams = []
         for beam in beams:   # fork first (children copy the parent's tokens), then append
@@ -840,7 +875,7 @@ class LLM:
                 child.cum_logprob = cum
             new_beams += family
         self.num_generated_tokens += len(new_beams)
-        if new_beams[0].num_output_tokens >= params.max_tokens:   # out of tokens: the live beams end here
+        if new_beams and new_beams[0].num_output_tokens >= params.max_tokens:   # out of tokens: the live beams end here
             for beam in new_beams:
                 self.completed_beams[request_id].append((beam.token_ids[beam.num_prompt_tokens:], beam.cum_logprob))
                 self.scheduler.finish(beam, "length")
@@ -893,14 +928,14 @@ class LLM:
                 n = seq.params.n if seq.num_output_tokens == 0 else 1
                 sampled[seq] = self._sample(row, seq.params, self.generators[seq.request_id], n)
         # 5. metrics, then the scheduler advances the sequences
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            is_decode = n == 1 and seq.num_output_tokens > 0 and seq.num_computed_tokens == len(seq) - 1
-            self.num_prefill_tokens_computed += 0 if is_decode else n
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):   # tokens before prefill_until are prefill
+            self.num_prefill_tokens_computed += max(0, min(seq.num_computed_tokens + n, seq.prefill_until) - seq.num_computed_tokens)
         self.num_generated_tokens += sum(len(t) for t in sampled.values())
         self.scheduler.postprocess(batch, sampled)
         # 6. beam search: a round ends when every live beam of a request is running with its log-probs
         for request_id, beams in self.beams.items():
-            if beams and all(b.logprobs is not None and b.status is SequenceStatus.RUNNING for b in beams):
+            if beams and all(b.logprobs is not None and b.status is SequenceStatus.RUNNING
+                             and b.num_computed_tokens == len(b) for b in beams):
                 self._beam_round(request_id)
         self.num_steps += 1
         if self.scheduler.cost is not None:
@@ -922,8 +957,6 @@ class LLM:
                 self.kv_cache[:, :, dst].copy_(self.cpu_cache[:, :, src], non_blocking=True)
 
     def _prepare(self, batch):
-        from model import Batch
-        from kernel import num_kv_splits_for
         bs = self.block_manager.block_size
         input_ids, positions, slots, query_start_loc, logits_indices, samplers = [], [], [], [0], [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -958,8 +991,8 @@ class LLM:
             logits = logits.masked_fill(logits < kth, float("-inf"))
         if params.top_p < 1:
             sorted_logits, order = logits.sort(descending=True)
-            cum = sorted_logits.softmax(-1).cumsum(-1)
-            drop = cum - sorted_logits.softmax(-1) >= params.top_p   # tokens past the top_p mass
+            probs = sorted_logits.softmax(-1)
+            drop = probs.cumsum(-1) - probs >= params.top_p   # tokens whose predecessors already reach top_p
             logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
         return torch.multinomial(logits.softmax(-1), n, replacement=True, generator=generator).tolist()
 

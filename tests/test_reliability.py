@@ -77,7 +77,7 @@ def test_pressure_run_finishes_everything_with_unconstrained_outputs(unconstrain
         assert stats["num_swapped_out_blocks"] == 0
     assert len(got) == 120 and got == want
     assert_no_block_held(llm)
-    assert len(llm.block_manager.free_cpu_block_ids) == llm.block_manager.num_cpu_blocks and not llm.block_manager.swapped
+    assert len(llm.block_manager.free_cpu_block_ids) == llm.block_manager.num_cpu_blocks and not llm.block_manager.swapped_seqs
 
 
 def test_swap_and_recompute_give_identical_outputs(pressure_runs):
@@ -244,3 +244,48 @@ def test_debug_log_accounts_for_every_reference():
     lost = sum(e == "ref-1" for e in events)
     assert gained == lost
     assert_no_block_held(llm)
+
+
+# ----------------------------------------------------------------------------------------------
+# Edges a review found
+
+
+def test_swapped_request_that_fills_the_pool_comes_back():
+    """A request that needs the whole pool is swapped out and swapped back in (it asks only for what its next step writes)."""
+    prompts, params = [ids(60, 4), ids(61, 33)], [SamplingParams(temperature=0, max_tokens=6), SamplingParams(temperature=0, max_tokens=3, n=2)]
+    want = [[c.token_ids for c in o.outputs] for o in LLM("random:tiny", block_size=4, num_blocks=40).generate(prompts, params)]
+    for mode in ("swap", "recompute"):
+        llm = checked(LLM("random:tiny", block_size=4, num_blocks=10, num_cpu_blocks=10, preemption_mode=mode))
+        assert [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)] == want
+        assert llm.stats()["num_preemptions"] > 0
+        assert_no_block_held(llm)
+
+
+def test_max_num_seqs_counts_the_samples_of_n_gt_1():
+    """With max_num_seqs=4, two n=4 requests never run more than 4 sequences at once."""
+    llm = checked(LLM("random:tiny", block_size=4, num_blocks=64, max_num_seqs=4))
+    most = 0
+    step = llm.step
+
+    def watch():
+        nonlocal most
+        batch = step()
+        most = max(most, len(llm.scheduler.running))
+        return batch
+
+    llm.step = watch
+    outs = llm.generate([ids(70, 5), ids(71, 7)], SamplingParams(temperature=0.9, n=4, max_tokens=5, seed=3))
+    assert most == 4 and all(len(o.outputs) == 4 for o in outs)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        llm.generate([ids(72, 5)], SamplingParams(n=5))
+    assert_no_block_held(llm)
+
+
+def test_wrong_params_kind_is_a_value_error():
+    """generate takes SamplingParams and beam_search takes BeamSearchParams; the other raises ValueError."""
+    llm = LLM("random:tiny", num_blocks=16)
+    with pytest.raises(ValueError, match="BeamSearchParams"):
+        llm.beam_search([ids(0, 4)], SamplingParams())
+    with pytest.raises(ValueError, match="SamplingParams"):
+        llm.generate([ids(0, 4)], BeamSearchParams(beam_width=2))
+    assert not llm.scheduler.has_unfinished()
