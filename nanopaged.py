@@ -24,11 +24,11 @@ Read it in the order one request travels:
 """
 import argparse
 import bisect
-import sys
 import itertools
 import math
+import sys
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque, namedtuple
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -121,12 +121,15 @@ class Sequence:
     def append_token(self, token_id):
         self.token_ids.append(token_id)
 
-    def __repr__(self):
-        return f"Sequence(seq_id={self.seq_id}, len={len(self)}, block_table={self.block_table})"
-
 
 # ----------------------------------------------------------------------------------------------
 # 2. The block pool
+
+
+def _ids(xs, most=8):
+    """'4, 7, 12' for the logs, at most `most` of them."""
+    xs = list(xs)
+    return ", ".join(map(str, xs[:most])) + (f", ... ({len(xs)})" if len(xs) > most else "")
 
 
 @dataclass
@@ -171,13 +174,14 @@ class BlockManager:
         self.prefix_cache_queries = self.prefix_cache_hits = 0   # in tokens
         self.num_cow_copies = self.num_evictions = 0
         self.num_swapped_out_blocks = self.num_swapped_in_blocks = 0
-        # the debug log: every ref-count change, allocation, free, copy, eviction and swap, as
-        # (event, seq_id, block_id, detail) for the engine to print with its step number
+        # what happened, as (kind, plain words), drained by the engine after every step: the story
+        # (prefix hits, forks, copies, evictions, swaps, preemptions) for the live view, and with
+        # log_events every single ref-count change, allocation and free too, for the debug log
         self.log_events, self.events = log_events, []
 
-    def _log(self, event, seq, block_id, detail=""):
+    def _debug(self, kind, seq, block_id, detail=""):   # cheap when off: no string is built
         if self.log_events:
-            self.events.append((event, seq.seq_id, block_id, detail))
+            self.events.append((kind, f"seq {seq.seq_id}: block {block_id} {detail or f'ref {self.blocks[block_id].ref_count}'}"))
 
     # -- the hash chain: h[i] = H(h[i-1], tokens of block i), so one dictionary look-up finds a whole
     #    prefix. Hashes can collide; _lookup checks what the hash only summarises.
@@ -188,22 +192,24 @@ class BlockManager:
         # hashes its tokens alone), so traces and tests are repeatable
         return hash(tuple(token_ids)) if parent_hash is None else hash((parent_hash, *token_ids))
 
+    def _tokens(self, seq, i):
+        return tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+
     def _block_hash(self, seq, i):
         """Hash of seq's full block i, computed once and kept on the sequence."""
         while len(seq.block_hashes) <= i:
             j = len(seq.block_hashes)
             parent = seq.block_hashes[j - 1] if j else None
-            seq.block_hashes.append(self.compute_hash(parent, seq.token_ids[j * self.block_size:(j + 1) * self.block_size]))
+            seq.block_hashes.append(self.compute_hash(parent, self._tokens(seq, j)))
         return seq.block_hashes[i]
 
     def _lookup(self, seq, i, parent):
         """The cached block holding seq's full block i, or None. parent: the block that holds seq's
         block i-1 (None for i = 0), itself a hit. The candidate must hold the same tokens and have been
         registered after that very parent: by induction the whole prefix matches, whatever collides."""
-        tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
         for block_id in self.hash_to_block_ids.get(self._block_hash(seq, i), ()):
             block = self.blocks[block_id]
-            if block.token_ids == tokens and block.parent_entry == (parent.entry if parent else None):
+            if block.token_ids == self._tokens(seq, i) and block.parent_entry == (parent.entry if parent else None):
                 return block
         return None
 
@@ -238,27 +244,26 @@ class BlockManager:
                 del self.hash_to_block_ids[block.hash]
             block.hash, block.token_ids, block.entry, block.parent_entry = None, (), None, None
             self.num_evictions += 1
-            self._log("evict", seq, block.block_id, "cached, unused")
+            self.events.append(("evict", f"evict block {block.block_id} (cached, unused)"))
         block.ref_count = 1
-        self._log("allocate", seq, block.block_id, "ref 1")
+        self._debug("allocate", seq, block.block_id)
         return block.block_id
 
     def _hold(self, block, seq):
         if block.ref_count == 0:   # a cached block comes back to life
             del self.cached_block_ids[block.block_id]
         block.ref_count += 1
-        self._log("ref+1", seq, block.block_id, f"ref {block.ref_count}")
+        self._debug("ref+1", seq, block.block_id)
 
     def _release(self, block, seq):
         block.ref_count -= 1
-        self._log("ref-1", seq, block.block_id, f"ref {block.ref_count}")
-        if block.ref_count == 0:
-            if block.hash is not None:
-                self.cached_block_ids[block.block_id] = None    # most recently freed: evicted last
-                self._log("cache", seq, block.block_id, "kept for prefix hits")
-            else:
-                self.free_block_ids.append(block.block_id)
-                self._log("free", seq, block.block_id)
+        self._debug("ref-1", seq, block.block_id)
+        if block.ref_count == 0 and block.hash is not None:
+            self.cached_block_ids[block.block_id] = None    # most recently freed: evicted last
+            self._debug("cache", seq, block.block_id, "kept for prefix hits")
+        elif block.ref_count == 0:
+            self.free_block_ids.append(block.block_id)
+            self._debug("free", seq, block.block_id, "free")
 
     # -- whole sequences
 
@@ -280,6 +285,9 @@ class BlockManager:
         seq.block_table = [b.block_id for b in hits]
         seq.block_table += [self._take_free_block(seq) for _ in range(self._num_blocks_for(len(seq)) - len(hits))]
         seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
+        if hits:
+            self.events.append(("prefix hit", f"prefix hit: seq {seq.seq_id} reuses {len(hits)} blocks "
+                                              f"({seq.num_cached_tokens} tokens): {_ids(seq.block_table[:len(hits)])}"))
         if self.enable_prefix_caching:
             self.prefix_cache_queries += len(seq)
             self.prefix_cache_hits += seq.num_cached_tokens
@@ -308,7 +316,7 @@ class BlockManager:
             self._release(src, seq)
             seq.block_table[-1] = dst
             self.num_cow_copies += 1
-            self._log("copy", seq, src.block_id, f"copy-on-write to block {dst}")
+            self.events.append(("copy", f"copy-on-write: seq {seq.seq_id} copies block {src.block_id} to {dst}"))
             return src.block_id, dst
         return None
 
@@ -320,6 +328,9 @@ class BlockManager:
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
         self.seqs[child.seq_id] = child
+        refs = sorted({self.blocks[b].ref_count for b in parent.block_table})
+        self.events.append(("fork", f"seq {child.seq_id} forked from seq {parent.seq_id}: blocks "
+                                    f"{_ids(parent.block_table)} now ref {'/'.join(map(str, refs))}"))
 
     def free(self, seq):
         """Drop seq's hold on its blocks, tail first: the tail is freed earlier, so evicted before the
@@ -346,9 +357,9 @@ class BlockManager:
             block, parent = self.blocks[seq.block_table[i]], self.blocks[seq.block_table[i - 1]] if i else None
             block.hash, block.entry = self._block_hash(seq, i), next(self.entries)
             block.parent_entry = parent.entry if parent else None
-            block.token_ids = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            block.token_ids = self._tokens(seq, i)
             self.hash_to_block_ids.setdefault(block.hash, {})[block.block_id] = None
-            self._log("register", seq, block.block_id, f"prefix cache entry {block.entry}")
+            self._debug("register", seq, block.block_id, f"registered, prefix cache entry {block.entry}")
 
     # -- the CPU tier: a whole request moves, each distinct block once, so sharing survives the trip
 
@@ -368,12 +379,14 @@ class BlockManager:
                 block_id = s.block_table[i]
                 if block_id not in mapping:
                     mapping[block_id] = self.free_cpu_block_ids.popleft()
-                    self._log("swap out", s, block_id, f"to cpu block {mapping[block_id]}")
+                    self._debug("swap block", s, block_id, f"to cpu block {mapping[block_id]}")
                 self.cpu_blocks[mapping[block_id]].ref_count += 1
                 self._release(self.blocks[block_id], s)
                 s.block_table[i] = mapping[block_id]
             self.swapped_seqs[s.seq_id] = self.seqs.pop(s.seq_id)
         self.num_swapped_out_blocks += len(mapping)
+        self.events.append(("swap out", f"swap out seq {_ids(s.seq_id for s in self._request(self.swapped_seqs, seq.request_id))}: "
+                                        f"blocks {_ids(mapping)} to cpu blocks {_ids(mapping.values())}"))
         return list(mapping.items())
 
     def _release_cpu(self, cpu_id):
@@ -398,13 +411,15 @@ class BlockManager:
             for i, cpu_id in enumerate(s.block_table):
                 if cpu_id not in mapping:
                     mapping[cpu_id] = self._take_free_block(s)
-                    self._log("swap in", s, mapping[cpu_id], f"from cpu block {cpu_id}")
+                    self._debug("swap block", s, mapping[cpu_id], f"from cpu block {cpu_id}")
                 else:
                     self._hold(self.blocks[mapping[cpu_id]], s)
                 self._release_cpu(cpu_id)
                 s.block_table[i] = mapping[cpu_id]
             self.seqs[s.seq_id] = self.swapped_seqs.pop(s.seq_id)
         self.num_swapped_in_blocks += len(mapping)
+        self.events.append(("swap in", f"swap in seq {_ids(s.seq_id for s in self._request(self.seqs, seq.request_id))}: "
+                                       f"cpu blocks {_ids(mapping)} to blocks {_ids(mapping.values())}"))
         return list(mapping.items())
 
     # -- the rules, checked
@@ -412,17 +427,13 @@ class BlockManager:
     def check_invariants(self):
         """Raises AssertionError naming the broken rule (DESIGN.md, block manager rules)."""
         for pool, blocks, seqs in (("device", self.blocks, self.seqs), ("cpu", self.cpu_blocks, self.swapped_seqs)):
-            holders = [0] * len(blocks)
-            for seq in seqs.values():
-                for block_id in seq.block_table:
-                    holders[block_id] += 1
+            holders = Counter(b for seq in seqs.values() for b in seq.block_table)
             for block in blocks:
                 assert block.ref_count == holders[block.block_id], (f"ref_count: {pool} block {block.block_id} has "
-                    f"ref_count {block.ref_count} but {holders[block.block_id]} block tables hold it")
+                                                                    f"ref_count {block.ref_count} but {holders[block.block_id]} block tables hold it")
         assert not set(self.seqs) & set(self.swapped_seqs), "partition: a sequence holds blocks in both pools"
-        cpu_used = {b.block_id for b in self.cpu_blocks if b.ref_count > 0}
-        assert len(set(self.free_cpu_block_ids)) == len(self.free_cpu_block_ids) == self.num_cpu_blocks - len(cpu_used) \
-            and not cpu_used & set(self.free_cpu_block_ids), "partition: cpu pool's free and used blocks overlap or miss one"
+        cpu_free = Counter(self.free_cpu_block_ids)
+        assert all(cpu_free[b.block_id] == (b.ref_count == 0) for b in self.cpu_blocks), "partition: cpu pool's free list is wrong"
         free, cached = set(self.free_block_ids), set(self.cached_block_ids)
         used = {b.block_id for b in self.blocks if b.ref_count > 0}
         assert len(free) == len(self.free_block_ids), "partition: a block is twice in the free pool"
@@ -438,9 +449,8 @@ class BlockManager:
         for seq in self.seqs.values():   # a registered block holds exactly the prefix of every sequence holding it
             for i, block_id in enumerate(seq.block_table):
                 block, parent = self.blocks[block_id], self.blocks[seq.block_table[i - 1]] if i else None
-                assert block.hash is None or (
-                    block.token_ids == tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-                    and block.hash == self._block_hash(seq, i) and block.parent_entry == (parent.entry if parent else None)), \
+                assert block.hash is None or (block.token_ids == self._tokens(seq, i) and block.hash == self._block_hash(seq, i)
+                                              and block.parent_entry == (parent.entry if parent else None)), \
                     f"hash map: seq {seq.seq_id} block {i} (physical {block_id}) is registered for another prefix"
         for seq in [*self.seqs.values(), *self.swapped_seqs.values()]:
             assert len(seq.block_table) in (self._num_blocks_for(len(seq)), self._num_blocks_for(len(seq) - 1)), \
@@ -516,12 +526,7 @@ class Scheduler:
 
     def __init__(self, block_manager, max_num_seqs=256, max_num_batched_tokens=2048, watermark=0.01,
                  eos_token_ids=(), preemption_mode="recompute", cost=None):
-        if preemption_mode not in ("recompute", "swap", "auto"):
-            raise ValueError(f"preemption_mode must be 'recompute', 'swap' or 'auto', got {preemption_mode!r}")
-        if preemption_mode == "swap" and block_manager.num_cpu_blocks == 0:
-            raise ValueError("preemption_mode='swap' needs a CPU pool: pass num_cpu_blocks > 0 (or swap_space "
-                             "in GiB), or use 'recompute'")
-        self.block_manager = block_manager
+        self.block_manager = block_manager   # (LLM checks the arguments, before the model loads)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.preemption_mode, self.cost = preemption_mode, cost
@@ -618,6 +623,9 @@ class Scheduler:
         queue the request at the front; its generated tokens stay and are computed again as prompt."""
         victims = [s for s in self.running if s.request_id == request_id]
         mode = mode or self._choose_mode(victims)
+        held = len({b for s in victims for b in s.block_table})
+        self.block_manager.events.append(("preempt", f"preempt seq {_ids(s.seq_id for s in victims)}: {mode}, "
+                                                     f"{held} blocks {'to the CPU pool' if mode == 'swap' else 'given back'}"))
         for seq in victims:
             self.running.remove(seq)
             batch.remove(seq)
@@ -666,6 +674,8 @@ class Scheduler:
     def finish(self, seq, reason):
         """reason: "stop" (eos), "length" (max_tokens), or "pruned" (a beam that lost)."""
         seq.status, seq.finish_reason, seq.finish_time = SequenceStatus.FINISHED, reason, time.perf_counter()
+        self.block_manager.events.append(("finish", f"seq {seq.seq_id} {'pruned' if reason == 'pruned' else 'finished'} "
+                                                    f"({reason}): {len(seq.block_table)} blocks released"))
         self.block_manager.free(seq)
         self.running.remove(seq)
         self.finished.append(seq)
@@ -675,36 +685,13 @@ class Scheduler:
 # 4. The engine
 
 
-@dataclass
-class CompletionOutput:
-    index: int
-    token_ids: list
-    text: str
-    finish_reason: str   # "stop" (eos) or "length" (max_tokens)
-
-
-@dataclass
-class RequestOutput:
-    request_id: int
-    prompt_token_ids: list
-    outputs: list        # n CompletionOutputs
-    ttft: float          # seconds from arrival to the first token
-    tpot: float          # seconds per output token after the first (mean over the samples)
-
-
-@dataclass
-class BeamSearchSequence:
-    token_ids: list      # output tokens (after the prompt)
-    text: str
-    cum_logprob: float
-    score: float
-
-
-@dataclass
-class BeamSearchOutput:
-    request_id: int
-    prompt_token_ids: list
-    sequences: list      # BeamSearchSequences, best score first
+# what generate() and beam_search() return. outputs: n CompletionOutputs; finish_reason: "stop" (eos) or
+# "length" (max_tokens); ttft: seconds from arrival to the first token; tpot: seconds per later token
+# (mean over the samples); token_ids: the output's tokens, after the prompt; sequences: best score first
+RequestOutput = namedtuple("RequestOutput", "request_id prompt_token_ids outputs ttft tpot")
+CompletionOutput = namedtuple("CompletionOutput", "index token_ids text finish_reason")
+BeamSearchOutput = namedtuple("BeamSearchOutput", "request_id prompt_token_ids sequences")
+BeamSearchSequence = namedtuple("BeamSearchSequence", "token_ids text cum_logprob score")
 
 
 class LLM:
@@ -746,6 +733,7 @@ class LLM:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
                                    eos_token_ids=eos_token_ids, preemption_mode=preemption_mode, cost=cost)
         self.debug_blocks = debug_blocks
+        self.view = None   # a LiveView, while generate(live=True) or a demo watches
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 0
         self.seed = seed
         self.request_ids = itertools.count()
@@ -759,18 +747,15 @@ class LLM:
         n = min(8, self.kv_cache.shape[2], self.cpu_cache.shape[2])
         for _ in range(2):   # the first round warms up
             t0 = time.perf_counter()
-            self.cpu_cache[:, :, :n].copy_(self.kv_cache[:, :, :n])
-            self.kv_cache[:, :, :n].copy_(self.cpu_cache[:, :, :n])
+            self.copy_blocks([("swap out", i, i) for i in range(n)] + [("swap in", i, i) for i in range(n)])
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             seconds = time.perf_counter() - t0
         return 2 * self.kv_cache[:, :, :n].numel() * self.dtype.itemsize / max(seconds, 1e-9)
 
     def _default_num_blocks(self, bytes_per_block):
-        if self.device.type == "cuda":   # most of what the weights leave free, as vLLM's gpu_memory_utilization
-            budget = 0.8 * torch.cuda.mem_get_info(self.device)[0]
-        else:
-            budget = 1 << 30   # 1 GiB on a CPU
+        # on CUDA most of what the weights leave free (as vLLM's gpu_memory_utilization); 1 GiB on a CPU
+        budget = 0.8 * torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 1 << 30
         return max(1, int(budget // bytes_per_block))
 
     # -- requests in
@@ -882,20 +867,23 @@ class LLM:
             new_beams = []
         self.beams[request_id] = new_beams
 
-    def _beam_output(self, request_id):
-        first = min((s for s in self.scheduler.finished if s.request_id == request_id), key=lambda s: s.seq_id)
+    def _pop_finished(self, request_id):
+        """The request's finished sequences, oldest first, taken out of the scheduler's list."""
+        seqs = sorted((s for s in self.scheduler.finished if s.request_id == request_id), key=lambda s: s.seq_id)
         self.scheduler.finished = [s for s in self.scheduler.finished if s.request_id != request_id]
-        self.generators.pop(request_id), self.beams.pop(request_id)
-        params = first.params
+        self.generators.pop(request_id)
+        return seqs
+
+    def _beam_output(self, request_id):
+        first = self._pop_finished(request_id)[0]
+        params, _ = first.params, self.beams.pop(request_id)
         score = lambda tokens, cum: cum / len(tokens) ** params.length_penalty
         best = sorted(self.completed_beams.pop(request_id), key=lambda c: score(*c), reverse=True)[:params.beam_width]
         return BeamSearchOutput(request_id, first.token_ids[:first.num_prompt_tokens],
                                 [BeamSearchSequence(t, self._detokenize(t), c, score(t, c)) for t, c in best])
 
     def _output(self, request_id):
-        seqs = sorted((s for s in self.scheduler.finished if s.request_id == request_id), key=lambda s: s.seq_id)
-        self.scheduler.finished = [s for s in self.scheduler.finished if s.request_id != request_id]
-        self.generators.pop(request_id)
+        seqs = self._pop_finished(request_id)
         outs = [CompletionOutput(i, s.token_ids[s.num_prompt_tokens:], self._detokenize(s.token_ids[s.num_prompt_tokens:]),
                                  s.finish_reason) for i, s in enumerate(seqs)]
         ttft = seqs[0].first_token_time - seqs[0].arrival_time
@@ -940,10 +928,12 @@ class LLM:
         self.num_steps += 1
         if self.scheduler.cost is not None:
             self.scheduler.cost.observe_step(batch.num_tokens, time.perf_counter() - t0)
+        events, self.block_manager.events = self.block_manager.events, []
         if self.debug_blocks:   # the debug log: every block event of this step
-            for event, seq_id, block_id, detail in self.block_manager.events:
-                print(f"step {self.num_steps:5}  seq {seq_id:4}  {event:9} block {block_id:5}  {detail}", file=sys.stderr)
-            self.block_manager.events.clear()
+            for kind, text in events:
+                print(f"step {self.num_steps:5}  {kind:10}  {text}", file=sys.stderr)
+        if self.view is not None:
+            self.view.update(events)
         return batch
 
     def copy_blocks(self, block_copies):
