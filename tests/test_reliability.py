@@ -239,7 +239,8 @@ def test_debug_log_accounts_for_every_reference():
     events = [line.split()[2] for line in lines]
     for kind in ("allocate", "ref+1", "ref-1", "free", "cache", "copy", "swap", "register", "preempt", "fork"):
         assert kind in events, f"no {kind} event in the log"
-    assert all(line.startswith("step") and "seq " in line for line in lines)
+    assert all(line.split()[0] == "step" and line.split()[1].isdigit() for line in lines)
+    assert all("seq " in line for line, e in zip(lines, events) if e in ("allocate", "ref+1", "ref-1", "free", "register"))
     gained = sum(e in ("allocate", "ref+1") for e in events)   # swap-ins allocate on the device again
     lost = sum(e == "ref-1" for e in events)
     assert gained == lost
