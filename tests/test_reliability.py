@@ -290,3 +290,17 @@ def test_wrong_params_kind_is_a_value_error():
     with pytest.raises(ValueError, match="SamplingParams"):
         llm.generate([ids(0, 4)], BeamSearchParams(beam_width=2))
     assert not llm.scheduler.has_unfinished()
+
+
+def test_auto_mode_follows_its_cost_estimate():
+    """preemption_mode='auto' swaps when moving the blocks is cheaper than recomputing, recomputes when it is not,
+    and a full CPU pool falls back to recompute."""
+    prompts, params = [ids(80 + i, 9 + 2 * i) for i in range(6)], SamplingParams(temperature=0, max_tokens=12)
+    want = [o.outputs[0].token_ids for o in LLM("random:tiny", block_size=4, num_blocks=80).generate(prompts, params)]
+    for bandwidth, cpu_blocks, swaps in ((1e15, 30, True), (1.0, 30, False), (1e15, 1, False)):
+        llm = checked(LLM("random:tiny", block_size=4, num_blocks=14, num_cpu_blocks=cpu_blocks, preemption_mode="auto"))
+        llm.scheduler.cost.swap_bytes_per_second = bandwidth   # 1 byte/s: a swap would take forever
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+        stats = llm.stats()
+        assert stats["num_preemptions"] > 0 and (stats["num_swapped_out_blocks"] > 0) == swaps
+        assert_no_block_held(llm)
