@@ -143,7 +143,7 @@ class BlockManager:
     def __init__(self, num_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=True, log_events=False):
         require((block_size >= 1 and not block_size & (block_size - 1),
                  f"block_size must be a positive power of two (1, 2, 4, ... 16 ...), got {block_size}"),
-                (num_blocks >= 1 and num_cpu_blocks >= 0, f"need num_blocks >= 1 and num_cpu_blocks >= 0, got {num_blocks}, {num_cpu_blocks}"))
+                (num_blocks >= 1 and num_cpu_blocks >= 0, f"need num_blocks >= 1, num_cpu_blocks >= 0: {num_blocks}, {num_cpu_blocks}"))
         self.num_blocks, self.block_size, self.num_cpu_blocks = num_blocks, block_size, num_cpu_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -169,7 +169,7 @@ class BlockManager:
 
     def _debug(self, kind, seq, block_id, detail=""):   # cheap when off: no string is built
         if self.log_events:
-            self.events.append((kind, f"seq {seq.seq_id}: block {block_id} {detail or f'ref {self.blocks[block_id].ref_count}'}"))
+            self.events.append((kind, f"seq {seq.seq_id}: block {block_id} {detail or 'ref %d' % self.blocks[block_id].ref_count}"))
 
     # -- the hash chain: h[i] = H(h[i-1], tokens of block i), so one dictionary look-up finds a whole
     #    prefix. Hashes can collide; _lookup checks what the hash only summarises.
@@ -417,21 +417,21 @@ class BlockManager:
         for pool, blocks, seqs in (("device", self.blocks, self.seqs), ("cpu", self.cpu_blocks, self.swapped_seqs)):
             holders = Counter(b for seq in seqs.values() for b in seq.block_table)
             for block in blocks:
-                assert block.ref_count == holders[block.block_id], (f"ref_count: {pool} block {block.block_id} has "
-                                                                    f"ref_count {block.ref_count} but {holders[block.block_id]} block tables hold it")
+                assert block.ref_count == holders[block.block_id], (f"ref_count: {pool} block {block.block_id} has ref_count "
+                                                                    f"{block.ref_count}, {holders[block.block_id]} tables hold it")
         assert not set(self.seqs) & set(self.swapped_seqs), "partition: a sequence holds blocks in both pools"
         cpu_free = Counter(self.free_cpu_block_ids)
-        assert all(cpu_free[b.block_id] == (b.ref_count == 0) for b in self.cpu_blocks), "partition: cpu pool's free list is wrong"
+        assert all(cpu_free[b.block_id] == (b.ref_count == 0) for b in self.cpu_blocks), "partition: cpu free list"
         free, cached = set(self.free_block_ids), set(self.cached_block_ids)
         used = {b.block_id for b in self.blocks if b.ref_count > 0}
         assert len(free) == len(self.free_block_ids), "partition: a block is twice in the free pool"
         assert not (free & cached) and not (free & used) and not (cached & used), \
-            f"partition: blocks in two states: free&cached {free & cached}, free&used {free & used}, cached&used {cached & used}"
+            f"partition: blocks in two states: {free & cached} free&cached, {free & used} free&used, {cached & used} cached&used"
         assert len(free) + len(cached) + len(used) == self.num_blocks, "partition: some block is in no state"
         assert all(self.blocks[b].hash is not None for b in cached), "cached: a cached block has no hash"
         assert all(self.blocks[b].hash is None for b in free), "free: a free block still carries a hash"
         for h, bucket in self.hash_to_block_ids.items():
-            assert bucket and all(self.blocks[b].hash == h for b in bucket), f"hash map: hash {h} lists a block carrying another"
+            assert bucket and all(self.blocks[b].hash == h for b in bucket), f"hash map: {h} lists another's block"
         assert sum(b.hash is not None for b in self.blocks) == sum(map(len, self.hash_to_block_ids.values())), \
             "hash map: a block carries a hash the map does not know"
         for seq in self.seqs.values():   # a registered block holds exactly the prefix of every sequence holding it
@@ -609,7 +609,7 @@ class Scheduler:
         mode = mode or self._choose_mode(victims)
         held = len({b for s in victims for b in s.block_table})
         self.block_manager.events.append(("preempt", f"preempt seq {_ids(s.seq_id for s in victims)}: {mode}, "
-                                                     f"{held} blocks {'to the CPU pool' if mode == 'swap' else 'given back'}"))
+                                                     f"{held} blocks " + ("to the CPU pool" if mode == "swap" else "given back")))
         for seq in victims:
             self.running.remove(seq)
             batch.remove(seq)
@@ -688,7 +688,7 @@ class LLM:
                 (preemption_mode in ("recompute", "swap", "auto"),
                  f"preemption_mode must be 'recompute', 'swap' or 'auto', got {preemption_mode!r}"),
                 (preemption_mode != "swap" or num_cpu_blocks or swap_space,
-                 "preemption_mode='swap' needs a CPU pool: pass num_cpu_blocks > 0 (or swap_space in GiB), or use 'recompute'"),
+                 "preemption_mode='swap' needs a CPU pool: num_cpu_blocks > 0 (or swap_space in GiB), or use 'recompute'"),
                 (max_num_seqs >= 1 and max_num_batched_tokens >= 1, "max_num_seqs and max_num_batched_tokens must be >= 1"),
                 ((num_blocks is None or num_blocks >= 1) and num_cpu_blocks >= 0 and (swap_space or 0) >= 0,
                  f"num_blocks must be >= 1 (or None: from a memory budget), num_cpu_blocks and swap_space >= 0; "
@@ -703,11 +703,11 @@ class LLM:
         bytes_per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
         num_blocks = num_blocks if num_blocks is not None else self._default_num_blocks(bytes_per_block)
         shape = (2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)  # (K|V, layers, num_blocks, block_size, kv_heads, head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)  # (K|V, layers, blocks, block_size, kv_heads, head_dim)
         # the CPU tier: the same block shape in host memory, pinned on CUDA so copies run asynchronously
         num_cpu_blocks = num_cpu_blocks or int((swap_space or 0) * (1 << 30) // bytes_per_block)
         self.cpu_cache = torch.zeros(shape[:2] + (num_cpu_blocks,) + shape[3:], dtype=self.dtype,
-                                     pin_memory=self.device.type == "cuda")  # (K|V, layers, num_cpu_blocks, block_size, kv_heads, head_dim)
+                                     pin_memory=self.device.type == "cuda")  # (K|V, layers, cpu_blocks, block_size, kv_heads, head_dim)
         self.block_manager = BlockManager(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching, debug_blocks)
         cost = PreemptionCost(bytes_per_block, self._measure_swap_bandwidth()) if num_cpu_blocks else None
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
@@ -746,7 +746,7 @@ class LLM:
         bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
         # worst case: the prompt's full blocks shared, every sample's own blocks at full length
         need = len(token_ids) // bs + params.n * (math.ceil(total / bs) - len(token_ids) // bs)
-        require((params.n <= self.scheduler.max_num_seqs, f"n (or beam_width) {params.n} exceeds max_num_seqs ({self.scheduler.max_num_seqs})"),
+        require((params.n <= self.scheduler.max_num_seqs, f"n (or beam_width) {params.n} > max_num_seqs {self.scheduler.max_num_seqs}"),
                 (token_ids, "empty prompt: a prompt needs at least one token"),
                 (not bad, f"token id {bad[:1]} is outside the vocabulary: ids must be ints in [0, {vocab})"),
                 (total <= self.max_model_len, f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
@@ -766,7 +766,7 @@ class LLM:
             prompts = [prompts]
         params = params or kind()
         params = params if isinstance(params, list) else [params] * len(prompts)
-        require((len(params) == len(prompts), f"got {len(params)} {kind.__name__} for {len(prompts)} prompts: give one, or one per prompt"),
+        require((len(params) == len(prompts), f"{len(params)} {kind.__name__} for {len(prompts)} prompts: give one, or one each"),
                 (all(isinstance(p, kind) for p in params), f"expected {kind.__name__}, got {type(params[0]).__name__} "
                  "(generate takes SamplingParams, beam_search takes BeamSearchParams)"))
         token_lists = [self._tokenize(p) for p in prompts]
