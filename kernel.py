@@ -7,9 +7,9 @@ walks that table. One function serves prefill chunks and decodes in the same bat
 
     out = paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
 
-Sequence i's q_len new tokens q[qsl[i]:qsl[i+1]] are the last q_len of its context_lens[i] tokens
-and attend causally to everything before them (q_len = 1 for a decode, a chunk for a prefill), with
-grouped-query attention (num_heads a multiple of num_kv_heads).
+Sequence i's q_len new tokens, q[qsl[i]:qsl[i+1]] with qsl = query_start_loc, are the last q_len of its
+context_lens[i] tokens and attend causally to everything before them (q_len = 1 for a decode, a chunk for
+a prefill), with grouped-query attention (num_heads a multiple of num_kv_heads).
 
 Read it in order, as a Triton tutorial: the K/V write; the PyTorch reference (the oracle every
 faster version is held to); the Triton kernel, with a comment on every argument; its launcher (and

@@ -77,7 +77,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, batch):
+    def forward(self, x, cos, sin, k_cache, v_cache, batch):   # caches: (num_blocks, block_size, kv_heads, head_dim)
         q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)      # (num_tokens, heads, head_dim)
         k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)   # (num_tokens, kv_heads, head_dim)
         v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
@@ -115,7 +115,7 @@ class DecoderLayer(nn.Module):
 
 @dataclasses.dataclass
 class Batch:
-    """One step's tokens as tensors. T = new tokens of all sequences together, S = sequences."""
+    """One step's tokens as tensors. T = num_tokens, the new tokens of all sequences together; S = num_seqs."""
     input_ids: torch.Tensor        # (T,) int64
     positions: torch.Tensor        # (T,) int64   each token's position in its own sequence
     slot_mapping: torch.Tensor     # (T,) int64   where its K/V go: block_id * block_size + offset

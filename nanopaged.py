@@ -85,12 +85,12 @@ class SequenceStatus(Enum):
     FINISHED = "finished"
 
 class Sequence:
-    """One stream of tokens: a prompt and what was generated after it. n>1 sampling makes n of them,
-    one request (request_id) that is preempted as a whole."""
-    _ids = itertools.count()
+    """One stream of tokens: a prompt and what was generated after it. n>1 sampling and beam search fork
+    several from one request (request_id), which is preempted as a whole."""
+    _seq_ids = itertools.count()
 
     def __init__(self, token_ids, params=None, request_id=None):
-        self.seq_id = next(Sequence._ids)
+        self.seq_id = next(Sequence._seq_ids)
         self.request_id = self.seq_id if request_id is None else request_id
         self.params = params or SamplingParams()
         self.status = SequenceStatus.WAITING
@@ -98,9 +98,9 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0   # tokens whose K/V are in the cache (computed or found there)
         self.num_cached_tokens = 0     # of those, found in the prefix cache at the last allocate
-        self.block_table = []          # physical block ids, one per block_size tokens
+        self.block_table = []          # physical block ids; token i's slot: block_table[i // bs] * bs + i % bs
         self.block_hashes = []         # hash chain over this sequence's full blocks (see BlockManager)
-        self.finish_reason = None      # "stop" (eos) or "length" (max_tokens)
+        self.finish_reason = None      # "stop" (eos), "length" (max_tokens) or "pruned" (a beam that lost)
         self.prefill_until = 0         # tokens before this position are prefill (set at each admission)
         self.logprobs = None           # beam search: (vocab,) float32 next-token log-probs, on the CPU
         self.cum_logprob = 0.0         # beam search: the beam's total log-probability
@@ -126,12 +126,12 @@ def _ids(xs):   # '4, 7, 12' for the event log
 class Block:
     block_id: int
     ref_count: int = 0                 # live block tables that hold this block
-    # set while the block is registered in the prefix cache (full, computed, immutable). A hash can
-    # collide and tokens only say what this block holds, not what came before it; so a hit must also
-    # follow the very registration of the block before it: by induction the whole prefix matches.
+    # set while the block is registered in the prefix cache (full, computed, immutable). A hit needs the
+    # same hash, the same tokens, and parent_entry == entry of the block already matched before it: a hash
+    # can collide and tokens say nothing of the prefix, but by induction the whole prefix then matches.
     hash: int | None = None            # chain hash of the whole prefix up to and including this block
     token_ids: tuple = ()              # this block's tokens
-    entry: int | None = None           # this registration's number, unique and never reused
+    entry: int | None = None           # registration number, never reused: children of an evicted block stop matching
     parent_entry: int | None = None    # the entry of the block before it in the chain (None: first block)
 
 class BlockManager:
@@ -158,12 +158,12 @@ class BlockManager:
         self.cpu_blocks = [Block(i) for i in range(num_cpu_blocks)]
         self.free_cpu_block_ids = deque(range(num_cpu_blocks))
         self.swapped_seqs = {}                           # seq_id -> Sequence, every sequence holding CPU blocks
-        # metrics, counted as they happen (DESIGN.md names)
+        # metrics, counted as they happen (vLLM's names where vLLM has one)
         self.prefix_cache_queries = self.prefix_cache_hits = 0   # in tokens
         self.num_cow_copies = self.num_evictions = 0
         self.num_swapped_out_blocks = self.num_swapped_in_blocks = 0
         # what happened, as (kind, plain words), drained by the engine after every step: the story
-        # (prefix hits, forks, copies, evictions, swaps, preemptions) for the live view, and with
+        # (prefix hits, forks, copies, evictions, swaps, preemptions) in plain words, and with
         # log_events every single ref-count change, allocation and free too, for the debug log
         self.log_events, self.events = log_events, []
 
@@ -176,8 +176,8 @@ class BlockManager:
 
     @staticmethod
     def compute_hash(parent_hash, token_ids):
-        # tuples of ints hash the same in every run (None does not, on Python 3.11: the first block
-        # hashes its tokens alone), so traces and tests are repeatable
+        # the first block hashes its tokens alone, not (None, *tokens): before Python 3.12 hash(None)
+        # changes from run to run; tuples of ints hash the same every run, so traces and tests repeat
         return hash(tuple(token_ids)) if parent_hash is None else hash((parent_hash, *token_ids))
 
     def _tokens(self, seq, i):
@@ -187,8 +187,8 @@ class BlockManager:
         """Hash of seq's full block i, computed once and kept on the sequence."""
         while len(seq.block_hashes) <= i:
             j = len(seq.block_hashes)
-            parent = seq.block_hashes[j - 1] if j else None
-            seq.block_hashes.append(self.compute_hash(parent, self._tokens(seq, j)))
+            parent_hash = seq.block_hashes[j - 1] if j else None
+            seq.block_hashes.append(self.compute_hash(parent_hash, self._tokens(seq, j)))
         return seq.block_hashes[i]
 
     def _lookup(self, seq, i, parent):
@@ -385,10 +385,10 @@ class BlockManager:
     def can_swap_in(self, seq, watermark=0):
         """Room for the request's distinct blocks and for what its next step writes: a new block for
         a sequence whose last block is full, a copy for each extra holder of a shared last block."""
-        group = [s for s in self._request(self.swapped_seqs, seq.request_id) if len(s) > s.num_computed_tokens]
+        writers = [s for s in self._request(self.swapped_seqs, seq.request_id) if len(s) > s.num_computed_tokens]
         distinct = {b for s in self._request(self.swapped_seqs, seq.request_id) for b in s.block_table}
-        new = sum(self._needs_new_block(s) for s in group)
-        last = [s.block_table[-1] for s in group if not self._needs_new_block(s)]
+        new = sum(self._needs_new_block(s) for s in writers)
+        last = [s.block_table[-1] for s in writers if not self._needs_new_block(s)]
         copies = sum(min(last.count(b), self.cpu_blocks[b].ref_count - 1) for b in set(last))
         return self.num_free_blocks - len(distinct) - new - copies >= watermark
 
@@ -413,7 +413,7 @@ class BlockManager:
     # -- the rules, checked
 
     def check_invariants(self):
-        """Raises AssertionError naming the broken rule (DESIGN.md, block manager rules)."""
+        """Raises AssertionError naming the broken rule: ref_count, partition, cached, free, hash map, block table."""
         for pool, blocks, seqs in (("device", self.blocks, self.seqs), ("cpu", self.cpu_blocks, self.swapped_seqs)):
             holders = Counter(b for seq in seqs.values() for b in seq.block_table)
             for block in blocks:
@@ -557,14 +557,14 @@ class Scheduler:
                 self._schedule_running(seq, batch, budget)
         # 2. swapped requests come back before any new one, unless this step had to preempt
         while self.swapped and batch.num_tokens < budget and not preempted:
-            group = self.swapped[0]
-            if self.running and len(self.running) + len(group) > self.max_num_seqs:
+            request = self.swapped[0]
+            if self.running and len(self.running) + len(request) > self.max_num_seqs:
                 break
-            if not bm.can_swap_in(group[0], self.watermark_blocks if self.running else 0):
+            if not bm.can_swap_in(request[0], self.watermark_blocks if self.running else 0):
                 break
             self.swapped.pop(0)
-            batch.block_copies += [("swap in", cpu, dev) for cpu, dev in bm.swap_in(group[0])]
-            for seq in group:
+            batch.block_copies += [("swap in", cpu, dev) for cpu, dev in bm.swap_in(request[0])]
+            for seq in request:
                 self._start_running(seq)
                 self._schedule_running(seq, batch, budget)
         # 3. waiting requests in order, while nothing is swapped out and this step did not preempt
@@ -598,7 +598,7 @@ class Scheduler:
         if self.preemption_mode == "swap":
             return "swap"
         if self.cost is None:
-            return "swap"   # auto without measurements (a BlockManager driven by hand): swap while it fits
+            return "swap"   # auto with no cost measured (a Scheduler built by hand): swap while it fits
         return "swap" if self.cost.swap_is_cheaper(sum(len(s) for s in victims), distinct) else "recompute"
 
     def preempt(self, request_id, batch, mode=None):
@@ -699,21 +699,20 @@ class LLM:
         self.model, self.tokenizer, eos_token_ids = load_model(model, self.device, self.dtype, seed)
         cfg = self.model.config
         self.max_model_len = max_model_len or cfg.max_position_embeddings
-        # bytes per block = 2 (K and V) * layers * block_size * kv_heads * head_dim * bytes per number
+        # a block holds K and V of block_size tokens in every layer: one block id serves all layers
         bytes_per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
         num_blocks = num_blocks if num_blocks is not None else self._default_num_blocks(bytes_per_block)
         shape = (2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)  # (K|V, layers, blocks, block_size, kv_heads, head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)  # (2, num_layers, num_blocks, block_size, kv_heads, head_dim)
         # the CPU tier: the same block shape in host memory, pinned on CUDA so copies run asynchronously
         num_cpu_blocks = num_cpu_blocks or int((swap_space or 0) * (1 << 30) // bytes_per_block)
         self.cpu_cache = torch.zeros(shape[:2] + (num_cpu_blocks,) + shape[3:], dtype=self.dtype,
-                                     pin_memory=self.device.type == "cuda")  # (K|V, layers, cpu_blocks, block_size, kv_heads, head_dim)
+                                     pin_memory=self.device.type == "cuda")  # (2, num_layers, num_cpu_blocks, block_size, kv_heads, head_dim)
         self.block_manager = BlockManager(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching, debug_blocks)
         cost = PreemptionCost(bytes_per_block, self._measure_swap_bandwidth()) if num_cpu_blocks else None
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
                                    eos_token_ids=eos_token_ids, preemption_mode=preemption_mode, cost=cost)
         self.debug_blocks = debug_blocks
-        self.view = None   # a LiveView, while generate(live=True) or a demo watches
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 0
         self.seed = seed
         self.request_ids = itertools.count()
@@ -845,8 +844,9 @@ class LLM:
         return seqs
 
     def _beam_output(self, request_id):
+        del self.beams[request_id]   # [] by now: every beam ended, into completed_beams
         first = self._pop_finished(request_id)[0]
-        params, _ = first.params, self.beams.pop(request_id)
+        params = first.params
         score = lambda tokens, cum: cum / len(tokens) ** params.length_penalty
         best = sorted(self.completed_beams.pop(request_id), key=lambda c: score(*c), reverse=True)[:params.beam_width]
         return BeamSearchOutput(request_id, first.token_ids[:first.num_prompt_tokens],
@@ -875,7 +875,7 @@ class LLM:
         # 2. the batch as tensors (model.Batch), and which sequences get a next token this step
         model_batch, samplers = self._prepare(batch)
         # 3. the model writes every new token's K/V into its slot and returns logits for the samplers
-        logits = self.model(model_batch, self.kv_cache).cpu()   # (num_samplers, vocab)
+        logits = self.model(model_batch, self.kv_cache).cpu()   # (num_sampled, vocab)
         # 4. sampling: n tokens at the first sample of an n>1 request (those fork), else one;
         #    a beam keeps its log-probs until all beams of its request have theirs
         sampled = {}
@@ -902,8 +902,6 @@ class LLM:
         if self.debug_blocks:   # the debug log: every block event of this step
             for kind, text in events:
                 print(f"step {self.num_steps:5}  {kind:10}  {text}", file=sys.stderr)
-        if self.view is not None:
-            self.view.update(events)
         return batch
 
     def copy_blocks(self, block_copies):
@@ -916,14 +914,14 @@ class LLM:
             else:                     # swap in: host -> device
                 self.kv_cache[:, :, dst].copy_(self.cpu_cache[:, :, src], non_blocking=True)
 
-    def _prepare(self, batch):
+    def _prepare(self, batch):   # ScheduledBatch -> (model.Batch, samplers); shapes: model.Batch
         bs = self.block_manager.block_size
-        input_ids, positions, slots, query_start_loc, logits_indices, samplers = [], [], [], [0], [], []
+        input_ids, positions, slot_mapping, query_start_loc, logits_indices, samplers = [], [], [], [0], [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens   # this step computes positions [start, start + n)
             input_ids += seq.token_ids[start:start + n]
             positions += range(start, start + n)
-            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            slot_mapping += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
             query_start_loc.append(query_start_loc[-1] + n)
             if start + n == len(seq):   # the chunk reaches the last token: its logits pick the next one
                 logits_indices.append(query_start_loc[-1] - 1)
@@ -935,7 +933,7 @@ class LLM:
         num_kv_splits = 1 if self.device.type != "cuda" else num_kv_splits_for(
             len(batch.seqs), self.model.config.num_kv_heads, max(context_lens), self.num_sms)
         return Batch(input_ids=t(input_ids, torch.long), positions=t(positions, torch.long),
-                     slot_mapping=t(slots, torch.long), block_tables=t(block_tables, torch.int32),
+                     slot_mapping=t(slot_mapping, torch.long), block_tables=t(block_tables, torch.int32),
                      context_lens=t(context_lens, torch.int32), query_start_loc=t(query_start_loc, torch.int32),
                      logits_indices=t(logits_indices, torch.long), max_query_len=max(batch.num_new_tokens),
                      num_kv_splits=num_kv_splits), samplers
@@ -957,7 +955,7 @@ class LLM:
         return torch.multinomial(logits.softmax(-1), n, replacement=True, generator=generator).tolist()
 
     def stats(self):
-        """The metrics of DESIGN.md, as fractions (0..1) and counts."""
+        """The engine's metrics (vLLM's names where vLLM has one), as fractions (0..1) and counts."""
         bm, used = self.block_manager, self.block_manager.num_used_blocks()
         return {"kv_cache_usage_perc": used / bm.num_blocks,   # cached blocks nobody holds count as free
                 "token_occupancy_perc": bm.num_stored_tokens() / (used * bm.block_size) if used else 0.0,
