@@ -6,7 +6,7 @@ slots hold real tokens (token occupancy), how often a prompt's blocks were found
 cache, how many blocks were copied on write, how much beams and samples save by sharing blocks.
 
     python bench.py              the default model on a mixed workload
-    python bench.py --quick      the same at a small size (what the tests run)
+    python bench.py --quick      the same at a small size (what fresh-check runs)
 
 This version runs one mixed workload and the sharing experiment; the side-by-side experiments
 against baselines come next.
@@ -59,7 +59,7 @@ def table(title, columns, rows):
 
 def main():
     p = argparse.ArgumentParser(description="nanopaged benchmark: a mixed workload and block sharing")
-    p.add_argument("--quick", action="store_true", help="small sizes, a minute on a 2-core CPU")
+    p.add_argument("--quick", action="store_true", help="small sizes, one or two minutes on a 2-core CPU")
     p.add_argument("--model", default=None, help="None: SmolLM2-135M-Instruct; a local directory; random:<preset>")
     p.add_argument("--random-weights", action="store_true", help="random weights of the smollm2-135m shape (no files)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")

@@ -1,7 +1,7 @@
 """
 Tests of the block pool: BlockManager and Sequence driven by hand, with no model (pure Python, fast).
 
-Each test checks one rule of DESIGN.md "Block manager rules", calls bm.check_invariants() after
+Each test checks one rule of the block manager, calls bm.check_invariants() after
 every operation, and ends by freeing every sequence and checking that the whole pool is free or
 cached again. The engine's way of computing a prompt is simulated by `computed` below.
 

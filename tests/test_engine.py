@@ -156,7 +156,7 @@ def test_sampling_is_reproducible_with_a_seed():
     assert all(0 <= t < 256 for c in a.outputs for t in c.token_ids)
 
 
-BAD = {   # DESIGN.md's bad inputs: what to call and a word the message must contain
+BAD = {   # the bad inputs the API must refuse: what to call and a word the message must contain
     "empty prompt": (lambda llm: llm.generate([[]]), "empty"),
     "token outside vocab": (lambda llm: llm.generate([[1, 2, 256]]), "vocabulary"),
     "beyond max_model_len": (lambda llm: llm.generate([ids(0, 60)], SamplingParams(max_tokens=10)), "max_model_len"),
