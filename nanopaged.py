@@ -13,11 +13,13 @@ table mapping its logical blocks to physical ones. That one indirection buys:
   - beam search on shared blocks: beams fork and die every step, their common prefix stays shared.
 
 Read it in the order one request travels:
-  1. SamplingParams, BeamSearchParams, Sequence     what a request is
-  2. BlockManager        the block pool: allocate, prefix cache, fork, copy-on-write, free, swap
-  3. Scheduler           which tokens run this step; preemption when blocks run out
-  4. LLM                 the engine: block copies, tensors for the model, sampling, beam search
-  5. command line
+  1. SamplingParams, BeamSearchParams, Sequence, Request    what a request is
+  2. Event, EventLog     what happened, as records: the debug log prints them
+  3. BlockManager        the block pool: allocate, prefix cache, fork, copy-on-write, free, swap
+  4. Scheduler           which tokens run this step; preemption when blocks run out
+  5. LLM                 the engine: block copies, tensors for the model, sampling, one step
+  6. beam search         the engine's beams: forks of one another on shared blocks
+  7. command line
 
     python nanopaged.py                  generate from a few prompts with the default model
     python nanopaged.py --help           the knobs (block size, pool sizes, preemption, debug log)
@@ -34,19 +36,30 @@ from enum import Enum
 
 import torch
 
-from kernel import num_kv_splits_for
 from model import Batch, load_model   # transformers is imported only when a model is loaded
 
 # ----------------------------------------------------------------------------------------------
 # 1. What a request is
 
-def require(*checks):
-    """Bad input stops at the API, before anything changes: ValueError with the first failing (ok, message)."""
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(message)
+def require(ok, message):
+    """Bad input stops at the API, before anything changes: a ValueError saying what is allowed."""
+    if not ok:
+        raise ValueError(message)
 
-@dataclass
+def is_int(x):
+    return isinstance(x, int) and not isinstance(x, bool)   # True is an int to Python, not to us
+
+def is_number(x):   # a finite int or float
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+def check_seed(seed, name="seed"):
+    require(is_int(seed) and 0 <= seed < 2**63,
+            f"{name} must be an int in [0, 2**63), got {seed!r}")
+
+MIN_TEMPERATURE = 0.01   # logits / temperature overflow float32 near 1e-38; 0 means greedy
+MIN_TOP_P = 1e-6         # top_p is compared with float32 probabilities, where 1e-300 is 0
+
+@dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0   # 0: greedy (argmax)
     top_p: float = 1.0         # keep the smallest set of tokens whose probability reaches top_p
@@ -57,13 +70,22 @@ class SamplingParams:
     seed: int | None = None    # None: derived from the engine's seed and the request id
 
     def __post_init__(self):
-        require((self.temperature >= 0, f"temperature must be >= 0 (0 is greedy), got {self.temperature}"),
-                (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-                (self.top_k >= 0, f"top_k must be >= 0 (0 keeps all tokens), got {self.top_k}"),
-                (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
-                (self.n >= 1, f"n must be >= 1, got {self.n}"))
+        t = self.temperature
+        require(is_number(t) and (t == 0 or t >= MIN_TEMPERATURE),
+                f"temperature must be 0 (greedy) or a number >= {MIN_TEMPERATURE}, got {t!r}")
+        require(is_number(self.top_p) and MIN_TOP_P <= self.top_p <= 1,
+                f"top_p must be a number in (0, 1], at least {MIN_TOP_P}, got {self.top_p!r}")
+        require(is_int(self.top_k) and self.top_k >= 0,
+                f"top_k must be an int >= 0 (0 keeps every token), got {self.top_k!r}")
+        require(is_int(self.max_tokens) and self.max_tokens >= 1,
+                f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        require(is_int(self.n) and self.n >= 1, f"n must be an int >= 1, got {self.n!r}")
+        require(isinstance(self.ignore_eos, bool),
+                f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.seed is not None:
+            check_seed(self.seed)
 
-@dataclass
+@dataclass(frozen=True)
 class BeamSearchParams:
     beam_width: int
     max_tokens: int = 16
@@ -71,40 +93,40 @@ class BeamSearchParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        require((self.beam_width >= 1, f"beam_width must be >= 1, got {self.beam_width}"),
-                (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"))
+        require(is_int(self.beam_width) and self.beam_width >= 1,
+                f"beam_width must be an int >= 1, got {self.beam_width!r}")
+        require(is_int(self.max_tokens) and self.max_tokens >= 1,
+                f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        require(is_number(self.length_penalty),
+                f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        require(isinstance(self.ignore_eos, bool),
+                f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 
     @property
     def n(self):   # the most sequences the request holds at once: what _validate sizes the pool by
         return self.beam_width
 
-class SequenceStatus(Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    SWAPPED = "swapped"
-    FINISHED = "finished"
-
 class Sequence:
-    """One stream of tokens: a prompt and what was generated after it. n>1 sampling and beam search fork
-    several from one request (request_id), which is preempted as a whole."""
-    _seq_ids = itertools.count()
+    """One stream of tokens: a prompt and what was generated after it, and the block table saying
+    where each token's K/V live. n>1 sampling and beam search fork several from one request."""
+    _seq_ids = itertools.count()   # ids are unique in the process: traces name sequences by them
 
-    def __init__(self, token_ids, params=None, request_id=None):
+    def __init__(self, token_ids, request_id=None, index=0):
         self.seq_id = next(Sequence._seq_ids)
         self.request_id = self.seq_id if request_id is None else request_id
-        self.params = params or SamplingParams()
-        self.status = SequenceStatus.WAITING
+        self.index = index               # which sample of its request (CompletionOutput.index)
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(self.token_ids)
-        self.num_computed_tokens = 0   # tokens whose K/V are in the cache (computed or found there)
-        self.num_cached_tokens = 0     # of those, found in the prefix cache at the last allocate
-        self.block_table = []          # physical block ids; token i's slot: block_table[i // bs] * bs + i % bs
-        self.block_hashes = []         # hash chain over this sequence's full blocks (see BlockManager)
-        self.finish_reason = None      # "stop" (eos), "length" (max_tokens) or "pruned" (a beam that lost)
-        self.prefill_until = 0         # tokens before this position are prefill (set at each admission)
-        self.logprobs = None           # beam search: (vocab,) float32 next-token log-probs, on the CPU
-        self.cum_logprob = 0.0         # beam search: the beam's total log-probability
-        self.arrival_time, self.first_token_time, self.finish_time = time.perf_counter(), None, None
+        self.num_computed_tokens = 0     # tokens whose K/V are in the cache (computed or found)
+        self.num_cached_tokens = 0       # of those, found in the prefix cache at the last allocate
+        self.block_table = []            # physical block ids: token i is in block_table[i // bs]
+        self.block_hashes = []           # hash chain over its full blocks (BlockManager)
+        self.waits_for = None            # the sibling that computes the blocks this one shares
+        self.prefill_until = 0           # tokens before it are prefill (set at admission)
+        self.finish_reason = None        # "stop" (eos), "length" (max_tokens), "pruned" (beam)
+        self.finish_time = None
+        self.logprobs = None             # beam search: (vocab,) float32 next-token log-probs, CPU
+        self.cum_logprob = 0.0           # beam search: the beam's total log-probability
 
     def __len__(self):
         return len(self.token_ids)
@@ -113,26 +135,133 @@ class Sequence:
     def num_output_tokens(self):
         return len(self.token_ids) - self.num_prompt_tokens
 
+    @property
+    def output_token_ids(self):
+        return self.token_ids[self.num_prompt_tokens:]
+
     def append_token(self, token_id):
         self.token_ids.append(token_id)
 
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+class Request:
+    """One prompt and its params: the unit the scheduler admits, preempts and swaps, always whole
+    (all its samples or beams at once). It starts as one sequence; n>1 samples fork from it at the
+    first token, beams fork every round."""
+
+    def __init__(self, request_id, token_ids, params, seed):
+        self.request_id = request_id
+        self.params = params
+        self.prompt_token_ids = list(token_ids)
+        self.status = RequestStatus.WAITING
+        self.seqs = [Sequence(token_ids, request_id)]   # live sequences, in the order they forked
+        self.finished = []    # sequences that ended: samples to return, beams that were dropped
+        self.completed = []   # beam search: BeamHypothesis records, the candidates for the output
+        # one random stream per sample, so that a sample's draws never depend on the schedule
+        # (which samples shared a step, who was preempted): sample i always draws from stream i
+        sampling = not self.is_beam_search and params.temperature > 0
+        self.generators = [torch.Generator().manual_seed((seed * 1_000_003 + i) % 2**63)
+                           for i in range(params.n)] if sampling else []
+        self.arrival_time = time.perf_counter()
+        self.first_token_time = None
+
+    @property
+    def is_beam_search(self):
+        return isinstance(self.params, BeamSearchParams)
+
+    @property
+    def max_num_running_seqs(self):
+        """What the request counts against max_num_seqs: n (or beam_width) from its admission on,
+        so that its forks always fit; once its samples have forked, the ones still live."""
+        if self.is_beam_search or self.first_token_time is None:
+            return self.params.n
+        return len(self.seqs)
+
 # ----------------------------------------------------------------------------------------------
-# 2. The block pool
+# 2. What happened: events as records
 
 def _ids(xs):   # '4, 7, 12' for the event log
     return ", ".join(map(str, xs))
 
+EVENT_WORDS = {   # the plain words of each kind of event, for the debug log and the live view
+    "prefix hit": "seq {seqs} finds blocks {blocks} in the prefix cache ({note} tokens)",
+    "fork": "seq {seqs} forks from seq {note}: blocks {blocks} shared",
+    "copy": "seq {seqs} copies shared block {blocks} to block {to} before writing (copy-on-write)",
+    "evict": "block {blocks} is evicted from the prefix cache (cached, held by nobody)",
+    "swap out": "seq {seqs} swapped out: blocks {blocks} to cpu blocks {to}",
+    "swap in": "seq {seqs} swapped in: cpu blocks {blocks} to blocks {to}",
+    "preempt": "seq {seqs} preempted by {note}: blocks {blocks} taken back",
+    "finish": "seq {seqs} finishes ({note}): blocks {blocks} released",
+    # the debug log's kinds (debug_blocks=True): every single ref-count change
+    "allocate": "seq {seqs} takes free block {blocks}",
+    "ref+1": "seq {seqs} holds block {blocks}: ref {note}",
+    "ref-1": "seq {seqs} lets go of block {blocks}: ref {note}",
+    "cache": "seq {seqs} leaves block {blocks} in the prefix cache: ref 0",
+    "free": "seq {seqs} leaves block {blocks} free: ref 0",
+    "register": "seq {seqs} registers block {blocks} in the prefix cache (entry {note})",
+}
+DEBUG_KINDS = frozenset(["allocate", "ref+1", "ref-1", "cache", "free", "register"])
+
+@dataclass(frozen=True)
+class Event:
+    step: int
+    kind: str                # a key of EVENT_WORDS
+    seq_ids: tuple = ()
+    block_ids: tuple = ()    # the blocks it acts on (device blocks; cpu blocks for a swap in)
+    to_ids: tuple = ()       # where they went: the copy's block, the other pool's blocks
+    note: str = ""           # a token count, a parent, a mode, a reason, a ref count
+
+    def words(self):
+        return EVENT_WORDS[self.kind].format(seqs=_ids(self.seq_ids), blocks=_ids(self.block_ids),
+                                             to=_ids(self.to_ids), note=self.note)
+
+class EventLog:
+    """Where the block manager and the scheduler write what happened, one Event per record() call.
+    The engine stamps the step and takes the records at its end. Debug kinds are kept only when
+    debug is on: they are many, one per ref-count change."""
+
+    def __init__(self, debug=False):
+        self.debug = debug
+        self.step = 0
+        self.records = []
+
+    def record(self, kind, seq_ids=(), block_ids=(), to_ids=(), note=""):
+        if self.debug or kind not in DEBUG_KINDS:
+            self.records.append(Event(self.step, kind, tuple(seq_ids), tuple(block_ids),
+                                      tuple(to_ids), str(note)))
+
+    def take(self):
+        records = self.records
+        self.records = []
+        return records
+
+# ----------------------------------------------------------------------------------------------
+# 3. The block pool
+
+def check_pool_args(num_blocks, block_size, num_cpu_blocks):
+    require(is_int(block_size) and block_size >= 1 and not block_size & (block_size - 1),
+            f"block_size must be a positive power of two (1, 2, 4, ... 16 ...), got {block_size!r}")
+    require(is_int(num_blocks) and num_blocks >= 1,
+            f"num_blocks must be an int >= 1, got {num_blocks!r}")
+    require(is_int(num_cpu_blocks) and num_cpu_blocks >= 0,
+            f"num_cpu_blocks must be an int >= 0, got {num_cpu_blocks!r}")
+
 @dataclass
 class Block:
     block_id: int
-    ref_count: int = 0                 # live block tables that hold this block
-    # set while the block is registered in the prefix cache (full, computed, immutable). A hit needs the
-    # same hash, the same tokens, and parent_entry == entry of the block already matched before it: a hash
-    # can collide and tokens say nothing of the prefix, but by induction the whole prefix then matches.
-    hash: int | None = None            # chain hash of the whole prefix up to and including this block
-    token_ids: tuple = ()              # this block's tokens
-    entry: int | None = None           # registration number, never reused: children of an evicted block stop matching
-    parent_entry: int | None = None    # the entry of the block before it in the chain (None: first block)
+    ref_count: int = 0        # live block tables that hold this block
+    # set while the block is registered in the prefix cache (full, computed, immutable). A hit
+    # needs the same hash, the same tokens, and parent_entry == the entry of the block matched
+    # before it: a hash can collide and tokens say nothing of the prefix, but by induction the
+    # whole prefix then matches.
+    hash: int | None = None   # chain hash of the whole prefix up to and including this block
+    token_ids: tuple = ()     # this block's tokens
+    entry: int | None = None  # registration number, never reused: an evicted block's children
+    parent_entry: int | None = None   # stop matching. parent_entry: the block before (None: first)
 
 class BlockManager:
     """Hands out blocks of the KV cache pool. Three kinds of block at any moment:
@@ -140,45 +269,47 @@ class BlockManager:
     reused until it is evicted) and free. Allocate and free are O(1). An optional CPU pool of the
     same block shape holds swapped-out requests."""
 
-    def __init__(self, num_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=True, log_events=False):
-        require((block_size >= 1 and not block_size & (block_size - 1),
-                 f"block_size must be a positive power of two (1, 2, 4, ... 16 ...), got {block_size}"),
-                (num_blocks >= 1 and num_cpu_blocks >= 0, f"need num_blocks >= 1, num_cpu_blocks >= 0: {num_blocks}, {num_cpu_blocks}"))
-        self.num_blocks, self.block_size, self.num_cpu_blocks = num_blocks, block_size, num_cpu_blocks
+    def __init__(self, num_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=True,
+                 events=None):
+        check_pool_args(num_blocks, block_size, num_cpu_blocks)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_cpu_blocks = num_cpu_blocks
         self.enable_prefix_caching = enable_prefix_caching
+        self.events = events or EventLog()
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids = deque(range(num_blocks))   # truly free: nothing worth keeping inside
-        self.cached_block_ids = OrderedDict()            # ref_count 0, registered; least recently freed first
-        # the prefix cache: chain hash -> registered block ids, as an ordered set (more than one when two
-        # requests computed the same prefix at once, or when hashes collide)
+        self.cached_block_ids = OrderedDict()            # ref_count 0, registered; LRU order
+        # the prefix cache: chain hash -> registered block ids, as an ordered set (more than one
+        # when two requests computed the same prefix in one step, or when hashes collide)
         self.hash_to_block_ids = {}
         self.entries = itertools.count()                 # numbers the prefix cache's registrations
-        self.seqs = {}                                   # seq_id -> Sequence, every sequence holding device blocks
+        self.seqs = {}                                   # seq_id -> Sequence holding device blocks
         # the CPU tier: swapped-out sequences hold CPU block ids in their block tables
         self.cpu_blocks = [Block(i) for i in range(num_cpu_blocks)]
         self.free_cpu_block_ids = deque(range(num_cpu_blocks))
-        self.swapped_seqs = {}                           # seq_id -> Sequence, every sequence holding CPU blocks
+        self.swapped_seqs = {}                           # seq_id -> Sequence holding CPU blocks
         # metrics, counted as they happen (vLLM's names where vLLM has one)
-        self.prefix_cache_queries = self.prefix_cache_hits = 0   # in tokens
-        self.num_cow_copies = self.num_evictions = 0
-        self.num_swapped_out_blocks = self.num_swapped_in_blocks = 0
-        # what happened, as (kind, plain words), drained by the engine after every step: the story
-        # (prefix hits, forks, copies, evictions, swaps, preemptions) in plain words, and with
-        # log_events every single ref-count change, allocation and free too, for the debug log
-        self.log_events, self.events = log_events, []
+        self.prefix_cache_queries = 0                    # tokens looked up
+        self.prefix_cache_hits = 0                       # tokens found
+        self.num_cow_copies = 0
+        self.num_evictions = 0
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
 
-    def _debug(self, kind, seq, block_id, detail=""):   # cheap when off: no string is built
-        if self.log_events:
-            self.events.append((kind, f"seq {seq.seq_id}: block {block_id} {detail or 'ref %d' % self.blocks[block_id].ref_count}"))
+    def _record(self, kind, seq, block):   # the debug log's ref-count events
+        self.events.record(kind, [seq.seq_id], [block.block_id], note=block.ref_count)
 
-    # -- the hash chain: h[i] = H(h[i-1], tokens of block i), so one dictionary look-up finds a whole
-    #    prefix. Hashes can collide; _lookup checks what the hash only summarises.
+    # -- the hash chain: h[i] = H(h[i-1], tokens of block i), so one dictionary look-up finds a
+    #    whole prefix. Hashes can collide; _cache_hits checks what the hash only summarises.
 
     @staticmethod
     def compute_hash(parent_hash, token_ids):
-        # the first block hashes its tokens alone, not (None, *tokens): before Python 3.12 hash(None)
-        # changes from run to run; tuples of ints hash the same every run, so traces and tests repeat
-        return hash(tuple(token_ids)) if parent_hash is None else hash((parent_hash, *token_ids))
+        # the first block hashes its tokens alone, not (None, *tokens): before Python 3.12
+        # hash(None) changes from run to run; tuples of ints hash the same every run
+        if parent_hash is None:
+            return hash(tuple(token_ids))
+        return hash((parent_hash, *token_ids))
 
     def _tokens(self, seq, i):
         return tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
@@ -191,28 +322,27 @@ class BlockManager:
             seq.block_hashes.append(self.compute_hash(parent_hash, self._tokens(seq, j)))
         return seq.block_hashes[i]
 
-    def _lookup(self, seq, i, parent):
-        """The cached block holding seq's full block i, or None. parent: the block that holds seq's
-        block i-1 (None for i = 0), itself a hit. The candidate must hold the same tokens and have been
-        registered after that very parent: by induction the whole prefix matches, whatever collides."""
-        for block_id in self.hash_to_block_ids.get(self._block_hash(seq, i), ()):
-            block = self.blocks[block_id]
-            if block.token_ids == self._tokens(seq, i) and block.parent_entry == (parent.entry if parent else None):
-                return block
-        return None
-
     def _num_hittable_blocks(self, seq):
-        # the last token is always computed (its logits are needed), so the block holding it cannot hit
+        # the last token is always computed (its logits are needed): its block cannot hit
         return (len(seq) - 1) // self.block_size if self.enable_prefix_caching else 0
 
     def _cache_hits(self, seq):
-        hits = []
+        """The longest chain of registered blocks holding seq's prefix. A block matches block i
+        when it holds the same tokens and was registered after a block matching block i-1. Two
+        requests that computed one prefix in the same step registered it twice, as two chains
+        with their own entries: every matching chain is followed, the longest wins."""
+        chains = {None: []}   # entry of a matching chain's last block -> that chain
         for i in range(self._num_hittable_blocks(seq)):
-            block = self._lookup(seq, i, hits[-1] if hits else None)
-            if block is None:
+            tokens = self._tokens(seq, i)
+            longer = {}
+            for block_id in self.hash_to_block_ids.get(self._block_hash(seq, i), ()):
+                block = self.blocks[block_id]
+                if block.token_ids == tokens and block.parent_entry in chains:
+                    longer[block.entry] = chains[block.parent_entry] + [block]
+            if not longer:
                 break   # a chain: after the first miss no later block can be this prefix's
-            hits.append(block)
-        return hits
+            chains = longer
+        return next(iter(chains.values()))
 
     # -- taking and returning single blocks
 
@@ -230,53 +360,79 @@ class BlockManager:
             del bucket[block.block_id]
             if not bucket:
                 del self.hash_to_block_ids[block.hash]
-            block.hash, block.token_ids, block.entry, block.parent_entry = None, (), None, None
+            block.hash = block.entry = block.parent_entry = None
+            block.token_ids = ()
             self.num_evictions += 1
-            self.events.append(("evict", f"evict block {block.block_id} (cached, unused)"))
+            self.events.record("evict", [], [block.block_id])
         block.ref_count = 1
-        self._debug("allocate", seq, block.block_id)
+        self._record("allocate", seq, block)
         return block.block_id
 
     def _hold(self, block, seq):
         if block.ref_count == 0:   # a cached block comes back to life
             del self.cached_block_ids[block.block_id]
         block.ref_count += 1
-        self._debug("ref+1", seq, block.block_id)
+        self._record("ref+1", seq, block)
 
     def _release(self, block, seq):
         block.ref_count -= 1
-        self._debug("ref-1", seq, block.block_id)
+        self._record("ref-1", seq, block)
         if block.ref_count == 0 and block.hash is not None:
-            self.cached_block_ids[block.block_id] = None    # most recently freed: evicted last
-            self._debug("cache", seq, block.block_id, "kept for prefix hits")
+            self.cached_block_ids[block.block_id] = None   # most recently freed: evicted last
+            self._record("cache", seq, block)
         elif block.ref_count == 0:
             self.free_block_ids.append(block.block_id)
-            self._debug("free", seq, block.block_id, "free")
+            self._record("free", seq, block)
 
     # -- whole sequences
 
     def _num_blocks_for(self, num_tokens):
         return (num_tokens + self.block_size - 1) // self.block_size
 
-    def can_allocate(self, seq, watermark=0):
-        """Would allocate(seq) leave at least `watermark` blocks free? Hits on cached (unheld)
-        blocks take them out of the free count too; hits on held blocks cost nothing."""
-        hits_on_held = sum(1 for b in self._cache_hits(seq) if b.ref_count > 0)
-        return self.num_free_blocks - (self._num_blocks_for(len(seq)) - hits_on_held) >= watermark
+    def _num_shared(self, leader, seq):
+        """Blocks seq shares with leader, a sibling allocated first: its leading blocks that are
+        full and hold the same tokens in both, up to the block of seq's last token (seq's own)."""
+        for i in range((len(seq) - 1) // self.block_size):
+            if self._tokens(leader, i) != self._tokens(seq, i):
+                return i
+        return (len(seq) - 1) // self.block_size
 
-    def allocate(self, seq):
-        """Give seq blocks for all its tokens: prefix-cache hits first, fresh blocks for the rest."""
+    def can_allocate(self, seq, watermark=0, siblings=()):
+        """Would allocate(seq), then allocate(s, leader=seq) for each sibling, leave `watermark`
+        blocks free? Hits on cached (unheld) blocks take them out of the free count too; hits on
+        held blocks cost nothing."""
+        hits_on_held = sum(1 for b in self._cache_hits(seq) if b.ref_count > 0)
+        need = self._num_blocks_for(len(seq)) - hits_on_held
+        for s in siblings:
+            need += self._num_blocks_for(len(s)) - self._num_shared(seq, s)
+        return self.num_free_blocks - need >= watermark
+
+    def allocate(self, seq, leader=None):
+        """Give seq blocks for all its tokens: prefix-cache hits first, fresh blocks for the rest.
+        leader: a sibling allocated just before (a recomputed n>1 or beam request comes back
+        whole); seq then shares the blocks both hold the same tokens in, and the leader computes
+        them. That is the one time a block with ref_count > 1 is written: once, by one writer,
+        with the K/V every holder needs, before any of them reads it (seq.waits_for)."""
         assert not seq.block_table, f"seq {seq.seq_id} already holds blocks"
-        hits = self._cache_hits(seq)
-        for block in hits:
+        if leader is None:
+            shared = self._cache_hits(seq)
+            seq.num_cached_tokens = len(shared) * self.block_size
+        else:
+            shared = [self.blocks[b] for b in leader.block_table[:self._num_shared(leader, seq)]]
+            seq.num_cached_tokens = 0
+        for block in shared:
             self._hold(block, seq)
-        seq.block_table = [b.block_id for b in hits]
-        seq.block_table += [self._take_free_block(seq) for _ in range(self._num_blocks_for(len(seq)) - len(hits))]
-        seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
-        if hits:
-            self.events.append(("prefix hit", f"prefix hit: seq {seq.seq_id} reuses {len(hits)} blocks "
-                                              f"({seq.num_cached_tokens} tokens): {_ids(seq.block_table[:len(hits)])}"))
-        if self.enable_prefix_caching:
+        seq.block_table = [b.block_id for b in shared]
+        for _ in range(self._num_blocks_for(len(seq)) - len(shared)):
+            seq.block_table.append(self._take_free_block(seq))
+        seq.num_computed_tokens = len(shared) * self.block_size
+        if leader is not None:   # the request's fork, made again
+            self.events.record("fork", [seq.seq_id], seq.block_table[:len(shared)],
+                               note=leader.seq_id)
+        elif shared:
+            self.events.record("prefix hit", [seq.seq_id], seq.block_table[:len(shared)],
+                               note=seq.num_cached_tokens)
+        if self.enable_prefix_caching and leader is None:
             self.prefix_cache_queries += len(seq)
             self.prefix_cache_hits += seq.num_cached_tokens
         self.seqs[seq.seq_id] = seq
@@ -290,8 +446,9 @@ class BlockManager:
         return not self._needs_new_block(seq) and self.blocks[seq.block_table[-1]].ref_count > 1
 
     def can_append(self, seq):
-        """Can append_slot(seq) get the block it needs (a new one, or a copy of a shared last block)?"""
-        return self.num_free_blocks >= 1 or not (self._needs_new_block(seq) or self._needs_copy(seq))
+        """Can append_slot(seq) get the block it needs (a new one, or a copy of a shared one)?"""
+        needs_block = self._needs_new_block(seq) or self._needs_copy(seq)
+        return self.num_free_blocks >= 1 or not needs_block
 
     def append_slot(self, seq):
         """Make sure the slot of seq's last token exists and may be written. Returns (src, dst)
@@ -304,7 +461,7 @@ class BlockManager:
             self._release(src, seq)
             seq.block_table[-1] = dst
             self.num_cow_copies += 1
-            self.events.append(("copy", f"copy-on-write: seq {seq.seq_id} copies block {src.block_id} to {dst}"))
+            self.events.record("copy", [seq.seq_id], [src.block_id], [dst])
             return src.block_id, dst
         return None
 
@@ -316,13 +473,12 @@ class BlockManager:
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
         self.seqs[child.seq_id] = child
-        refs = sorted({self.blocks[b].ref_count for b in parent.block_table})
-        self.events.append(("fork", f"seq {child.seq_id} forked from seq {parent.seq_id}: blocks "
-                                    f"{_ids(parent.block_table)} now ref {'/'.join(map(str, refs))}"))
+        self.events.record("fork", [child.seq_id], parent.block_table, note=parent.seq_id)
 
     def free(self, seq):
-        """Drop seq's hold on its blocks, tail first: the tail is freed earlier, so evicted before the
-        prefix, which other requests are likelier to share. (A swapped-out seq gives back CPU blocks.)"""
+        """Drop seq's hold on its blocks, tail first: the tail is freed earlier, so evicted before
+        the prefix, which other requests are likelier to share. (A swapped-out seq gives back
+        CPU blocks.)"""
         if self.swapped_seqs.pop(seq.seq_id, None) is not None:
             for cpu_id in seq.block_table:
                 self._release_cpu(cpu_id)
@@ -333,7 +489,7 @@ class BlockManager:
         seq.block_table = []
 
     def cache_full_blocks(self, seq):
-        """Register seq's blocks that are full and computed in the prefix cache (called after a step).
+        """Register seq's blocks that are full and computed in the prefix cache (after a step).
         Only then may another request reuse them: their K/V are in place and will never change."""
         if not self.enable_prefix_caching:
             return
@@ -342,14 +498,16 @@ class BlockManager:
         while start > 0 and self.blocks[seq.block_table[start - 1]].hash is None:
             start -= 1
         for i in range(start, end):
-            block, parent = self.blocks[seq.block_table[i]], self.blocks[seq.block_table[i - 1]] if i else None
-            block.hash, block.entry = self._block_hash(seq, i), next(self.entries)
+            block = self.blocks[seq.block_table[i]]
+            parent = self.blocks[seq.block_table[i - 1]] if i else None
+            block.hash = self._block_hash(seq, i)
+            block.entry = next(self.entries)
             block.parent_entry = parent.entry if parent else None
             block.token_ids = self._tokens(seq, i)
             self.hash_to_block_ids.setdefault(block.hash, {})[block.block_id] = None
-            self._debug("register", seq, block.block_id, f"registered, prefix cache entry {block.entry}")
+            self.events.record("register", [seq.seq_id], [block.block_id], note=block.entry)
 
-    # -- the CPU tier: a whole request moves, each distinct block once, so sharing survives the trip
+    # -- the CPU tier: a whole request moves, each distinct block once, so sharing survives
 
     def _request(self, seqs, request_id):
         return [s for s in seqs.values() if s.request_id == request_id]
@@ -359,22 +517,21 @@ class BlockManager:
         return len(distinct) <= len(self.free_cpu_block_ids)
 
     def swap_out(self, seq):
-        """Move seq's request (all its sequences) to the CPU pool. Returns [(device_block, cpu_block)]
-        for the engine to copy, one pair per distinct block."""
+        """Move seq's request (all its sequences) to the CPU pool. Returns [(device_block,
+        cpu_block)] for the engine to copy, one pair per distinct block."""
         mapping = {}   # device block id -> cpu block id
-        for s in self._request(self.seqs, seq.request_id):
+        seqs = self._request(self.seqs, seq.request_id)
+        for s in seqs:
             for i in reversed(range(len(s.block_table))):   # tail first, as free() does
                 block_id = s.block_table[i]
                 if block_id not in mapping:
                     mapping[block_id] = self.free_cpu_block_ids.popleft()
-                    self._debug("swap block", s, block_id, f"to cpu block {mapping[block_id]}")
                 self.cpu_blocks[mapping[block_id]].ref_count += 1
                 self._release(self.blocks[block_id], s)
                 s.block_table[i] = mapping[block_id]
             self.swapped_seqs[s.seq_id] = self.seqs.pop(s.seq_id)
         self.num_swapped_out_blocks += len(mapping)
-        self.events.append(("swap out", f"swap out seq {_ids(s.seq_id for s in self._request(self.swapped_seqs, seq.request_id))}: "
-                                        f"blocks {_ids(mapping)} to cpu blocks {_ids(mapping.values())}"))
+        self.events.record("swap out", [s.seq_id for s in seqs], mapping, mapping.values())
         return list(mapping.items())
 
     def _release_cpu(self, cpu_id):
@@ -383,10 +540,11 @@ class BlockManager:
             self.free_cpu_block_ids.append(cpu_id)
 
     def can_swap_in(self, seq, watermark=0):
-        """Room for the request's distinct blocks and for what its next step writes: a new block for
-        a sequence whose last block is full, a copy for each extra holder of a shared last block."""
-        writers = [s for s in self._request(self.swapped_seqs, seq.request_id) if len(s) > s.num_computed_tokens]
-        distinct = {b for s in self._request(self.swapped_seqs, seq.request_id) for b in s.block_table}
+        """Room for the request's distinct blocks and for what its next step writes: a new block
+        for a sequence whose last block is full, a copy for each extra holder of a shared one."""
+        seqs = self._request(self.swapped_seqs, seq.request_id)
+        writers = [s for s in seqs if len(s) > s.num_computed_tokens]
+        distinct = {b for s in seqs for b in s.block_table}
         new = sum(self._needs_new_block(s) for s in writers)
         last = [s.block_table[-1] for s in writers if not self._needs_new_block(s)]
         copies = sum(min(last.count(b), self.cpu_blocks[b].ref_count - 1) for b in set(last))
@@ -395,54 +553,65 @@ class BlockManager:
     def swap_in(self, seq):
         """Move seq's request back to the device pool. Returns [(cpu_block, device_block)]."""
         mapping = {}   # cpu block id -> device block id
-        for s in self._request(self.swapped_seqs, seq.request_id):
+        seqs = self._request(self.swapped_seqs, seq.request_id)
+        for s in seqs:
             for i, cpu_id in enumerate(s.block_table):
                 if cpu_id not in mapping:
                     mapping[cpu_id] = self._take_free_block(s)
-                    self._debug("swap block", s, mapping[cpu_id], f"from cpu block {cpu_id}")
                 else:
                     self._hold(self.blocks[mapping[cpu_id]], s)
                 self._release_cpu(cpu_id)
                 s.block_table[i] = mapping[cpu_id]
             self.seqs[s.seq_id] = self.swapped_seqs.pop(s.seq_id)
         self.num_swapped_in_blocks += len(mapping)
-        self.events.append(("swap in", f"swap in seq {_ids(s.seq_id for s in self._request(self.seqs, seq.request_id))}: "
-                                       f"cpu blocks {_ids(mapping)} to blocks {_ids(mapping.values())}"))
+        self.events.record("swap in", [s.seq_id for s in seqs], mapping, mapping.values())
         return list(mapping.items())
 
     # -- the rules, checked
 
     def check_invariants(self):
-        """Raises AssertionError naming the broken rule: ref_count, partition, cached, free, hash map, block table."""
-        for pool, blocks, seqs in (("device", self.blocks, self.seqs), ("cpu", self.cpu_blocks, self.swapped_seqs)):
+        """Raises AssertionError naming the broken rule: ref_count, partition, cached, free,
+        hash map, block table."""
+        pools = (("device", self.blocks, self.seqs), ("cpu", self.cpu_blocks, self.swapped_seqs))
+        for pool, blocks, seqs in pools:
             holders = Counter(b for seq in seqs.values() for b in seq.block_table)
             for block in blocks:
-                assert block.ref_count == holders[block.block_id], (f"ref_count: {pool} block {block.block_id} has ref_count "
-                                                                    f"{block.ref_count}, {holders[block.block_id]} tables hold it")
-        assert not set(self.seqs) & set(self.swapped_seqs), "partition: a sequence holds blocks in both pools"
+                assert block.ref_count == holders[block.block_id], \
+                    f"ref_count: {pool} block {block.block_id} has ref_count {block.ref_count}, " \
+                    f"{holders[block.block_id]} tables hold it"
+        assert not set(self.seqs) & set(self.swapped_seqs), "partition: a seq is in both pools"
         cpu_free = Counter(self.free_cpu_block_ids)
-        assert all(cpu_free[b.block_id] == (b.ref_count == 0) for b in self.cpu_blocks), "partition: cpu free list"
-        free, cached = set(self.free_block_ids), set(self.cached_block_ids)
+        assert all(cpu_free[b.block_id] == (b.ref_count == 0) for b in self.cpu_blocks), \
+            "partition: cpu free list"
+        free = set(self.free_block_ids)
+        cached = set(self.cached_block_ids)
         used = {b.block_id for b in self.blocks if b.ref_count > 0}
         assert len(free) == len(self.free_block_ids), "partition: a block is twice in the free pool"
         assert not (free & cached) and not (free & used) and not (cached & used), \
-            f"partition: blocks in two states: {free & cached} free&cached, {free & used} free&used, {cached & used} cached&used"
-        assert len(free) + len(cached) + len(used) == self.num_blocks, "partition: some block is in no state"
-        assert all(self.blocks[b].hash is not None for b in cached), "cached: a cached block has no hash"
-        assert all(self.blocks[b].hash is None for b in free), "free: a free block still carries a hash"
+            f"partition: blocks in two states: free&cached {free & cached}, " \
+            f"free&used {free & used}, cached&used {cached & used}"
+        assert len(free) + len(cached) + len(used) == self.num_blocks, "partition: a block is lost"
+        assert all(self.blocks[b].hash is not None for b in cached), "cached: a block has no hash"
+        assert all(self.blocks[b].hash is None for b in free), "free: a block still has a hash"
         for h, bucket in self.hash_to_block_ids.items():
-            assert bucket and all(self.blocks[b].hash == h for b in bucket), f"hash map: {h} lists another's block"
-        assert sum(b.hash is not None for b in self.blocks) == sum(map(len, self.hash_to_block_ids.values())), \
+            assert bucket and all(self.blocks[b].hash == h for b in bucket), \
+                f"hash map: {h} lists another's block"
+        registered = sum(map(len, self.hash_to_block_ids.values()))
+        assert sum(b.hash is not None for b in self.blocks) == registered, \
             "hash map: a block carries a hash the map does not know"
-        for seq in self.seqs.values():   # a registered block holds exactly the prefix of every sequence holding it
+        for seq in self.seqs.values():   # a registered block holds the prefix of all its holders
             for i, block_id in enumerate(seq.block_table):
-                block, parent = self.blocks[block_id], self.blocks[seq.block_table[i - 1]] if i else None
-                assert block.hash is None or (block.token_ids == self._tokens(seq, i) and block.hash == self._block_hash(seq, i)
-                                              and block.parent_entry == (parent.entry if parent else None)), \
-                    f"hash map: seq {seq.seq_id} block {i} (physical {block_id}) is registered for another prefix"
+                block = self.blocks[block_id]
+                parent = self.blocks[seq.block_table[i - 1]] if i else None
+                assert block.hash is None or (
+                    block.token_ids == self._tokens(seq, i)
+                    and block.hash == self._block_hash(seq, i)
+                    and block.parent_entry == (parent.entry if parent else None)), \
+                    f"hash map: seq {seq.seq_id} block {i} ({block_id}) is another prefix's"
         for seq in [*self.seqs.values(), *self.swapped_seqs.values()]:
-            assert len(seq.block_table) in (self._num_blocks_for(len(seq)), self._num_blocks_for(len(seq) - 1)), \
-                f"block table: seq {seq.seq_id} has {len(seq.block_table)} blocks for {len(seq)} tokens"
+            sizes = (self._num_blocks_for(len(seq)), self._num_blocks_for(len(seq) - 1))
+            assert len(seq.block_table) in sizes, \
+                f"block table: seq {seq.seq_id}: {len(seq.block_table)} blocks, {len(seq)} tokens"
 
     # -- what the metrics read
 
@@ -459,490 +628,589 @@ class BlockManager:
         return sum(filled.values())
 
 # ----------------------------------------------------------------------------------------------
-# 3. The scheduler: which tokens run this step
+# 4. The scheduler: which tokens run this step
 
 @dataclass
 class ScheduledBatch:
+    budget: int                                          # max_num_batched_tokens
     seqs: list = field(default_factory=list)             # sequences that run this step
-    num_new_tokens: list = field(default_factory=list)   # tokens each computes: 1 (decode) or a prefill chunk
+    requests: list = field(default_factory=list)         # the request of each
+    num_new_tokens: list = field(default_factory=list)   # tokens each computes: 1, or a chunk
     num_tokens: int = 0                                  # sum of num_new_tokens
-    # block copies to make before the model runs, in the order they were decided (a later one may
-    # overwrite a block an earlier one reads): ("copy", src, dst) copy-on-write inside the device
-    # pool, ("swap out", device, cpu) and ("swap in", cpu, device) between the pools
+    # block copies to make before the model runs, in the order they were decided (a later one
+    # may overwrite a block an earlier one reads): ("copy", src, dst) copy-on-write inside the
+    # device pool, ("swap out", device, cpu) and ("swap in", cpu, device) between the pools
     block_copies: list = field(default_factory=list)
 
-    def add(self, seq, budget):
+    @property
+    def is_full(self):
+        return self.num_tokens == self.budget
+
+    def add(self, request, seq):
         # a prompt longer than what is left of the budget is computed in chunks (chunked prefill)
         self.seqs.append(seq)
-        self.num_new_tokens.append(min(len(seq) - seq.num_computed_tokens, budget - self.num_tokens))
+        self.requests.append(request)
+        chunk = min(len(seq) - seq.num_computed_tokens, self.budget - self.num_tokens)
+        self.num_new_tokens.append(chunk)
         self.num_tokens += self.num_new_tokens[-1]
 
     def remove(self, seq):
         if seq in self.seqs:
             i = self.seqs.index(seq)
             self.num_tokens -= self.num_new_tokens[i]
-            del self.seqs[i], self.num_new_tokens[i]
+            del self.seqs[i]
+            del self.requests[i]
+            del self.num_new_tokens[i]
 
 @dataclass
 class PreemptionCost:
-    """What preemption_mode='auto' weighs, measured on this machine. Recomputing a request costs a
-    prefill of all its tokens: tokens * seconds_per_token, the engine's own average over its steps
-    (an upper estimate: a step's fixed overhead is spread over its tokens). Swapping costs moving its
-    distinct blocks out and back in: 2 * blocks * bytes_per_block / copy bandwidth, measured when
-    the engine starts by timing a round trip of a few blocks."""
+    """What preemption_mode='auto' weighs, measured on this machine. Recomputing a request costs
+    a prefill of all its tokens: tokens * seconds_per_token, the engine's own average over its
+    steps (an upper estimate: a step's fixed overhead is spread over its tokens). Swapping costs
+    moving its distinct blocks out and back in: 2 * blocks * bytes_per_block / copy bandwidth,
+    measured when the engine starts by timing a round trip of a few blocks."""
     bytes_per_block: int
     swap_bytes_per_second: float
-    seconds_per_token: float = 0.0    # 0 until the first step is measured
+    seconds_per_token: float = 0.0   # 0 until the first step is measured
 
     def observe_step(self, num_tokens, seconds):
-        self.seconds_per_token = seconds / num_tokens if not self.seconds_per_token else \
-            0.9 * self.seconds_per_token + 0.1 * seconds / num_tokens
+        if not self.seconds_per_token:
+            self.seconds_per_token = seconds / num_tokens
+        else:
+            self.seconds_per_token = 0.9 * self.seconds_per_token + 0.1 * seconds / num_tokens
 
     def swap_is_cheaper(self, num_tokens, num_blocks):
-        return 2 * num_blocks * self.bytes_per_block / self.swap_bytes_per_second < num_tokens * self.seconds_per_token
+        swap_seconds = 2 * num_blocks * self.bytes_per_block / self.swap_bytes_per_second
+        return swap_seconds < num_tokens * self.seconds_per_token
 
 class Scheduler:
-    """First come, first served continuous batching. Each step: every running sequence gets its next
-    token (or its next prefill chunk); then swapped-out requests come back; then waiting prompts are
-    admitted while the token budget, max_num_seqs and free blocks allow. If a running sequence
-    cannot get a block, the most recently arrived running request is preempted: swapped to the CPU
-    pool, or freed to be recomputed, before any new request runs."""
+    """First come, first served continuous batching over requests. Each step: every running
+    sequence gets its next token (or its next prefill chunk); then swapped-out requests come
+    back; then waiting requests are admitted while the token budget, max_num_seqs and free blocks
+    allow. If a running sequence cannot get a block, the most recently arrived running request is
+    preempted: swapped to the CPU pool, or freed to be recomputed, before any new request runs."""
 
-    def __init__(self, block_manager, max_num_seqs=256, max_num_batched_tokens=2048, watermark=0.01,
-                 eos_token_ids=(), preemption_mode="recompute", cost=None):
+    def __init__(self, block_manager, max_num_seqs=256, max_num_batched_tokens=2048,
+                 watermark=0.01, eos_token_ids=(), preemption_mode="recompute", cost=None):
         self.block_manager = block_manager   # (LLM checks the arguments, before the model loads)
+        self.events = block_manager.events   # one log for the pool and the schedule
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.preemption_mode, self.cost = preemption_mode, cost
-        # admitting a prompt must leave this many blocks free, so that the next step's decodes do
-        # not have to preempt straight away
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.preemption_mode = preemption_mode
+        self.cost = cost
+        # admitting a prompt must leave this many blocks free, so that the next step's decodes
+        # do not have to preempt straight away
         self.watermark_blocks = int(watermark * block_manager.num_blocks)
-        self.waiting = deque()     # FCFS; requests preempted by recompute go back to the front
-        self.running = []          # kept in arrival order (request_id, then seq_id)
-        self.swapped = []          # requests (lists of sequences) on the CPU pool, in arrival order
-        self.finished = []
+        self.waiting = deque()     # requests, FCFS; requests preempted by recompute go in front
+        self.running = []          # requests in arrival order (request_id)
+        self.swapped = []          # requests on the CPU pool, in arrival order
         self.num_preemptions = 0   # requests preempted (all their sequences at once), either way
 
-    def add(self, seq):
-        self.waiting.append(seq)
+    def add(self, request):
+        self.waiting.append(request)
 
     def has_unfinished(self):
         return bool(self.waiting or self.running or self.swapped)
 
-    def _start_running(self, seq):
-        seq.status = SequenceStatus.RUNNING
-        bisect.insort(self.running, seq, key=lambda s: (s.request_id, s.seq_id))
+    def _fits(self, request):
+        running = sum(r.max_num_running_seqs for r in self.running)
+        return running + request.max_num_running_seqs <= self.max_num_seqs
 
-    def _schedule_running(self, seq, batch, budget):
+    def _watermark(self):   # with nothing running no decode can starve: a request may fill the pool
+        return self.watermark_blocks if self.running else 0
+
+    def _start_running(self, request):
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self.running, request, key=lambda r: r.request_id)
+
+    @staticmethod
+    def _ready(seq):
+        """Has seq tokens to compute, with the K/V it reads in place? A beam that waits for its
+        siblings' log-probs has none; a sibling re-admitted sharing blocks waits for its leader."""
+        leader = seq.waits_for
+        if leader is not None and leader.num_computed_tokens < seq.num_computed_tokens:
+            return False
+        return len(seq) > seq.num_computed_tokens
+
+    def _schedule_seq(self, request, seq, batch):
         """seq's next token (or chunk) joins the batch, with the slot it writes."""
-        if len(seq) == seq.num_computed_tokens or batch.num_tokens == budget:
-            return   # a beam that waits for its siblings' logits, or no budget left this step
         copy = self.block_manager.append_slot(seq)
         if copy is not None:
             batch.block_copies.append(("copy", *copy))
-        batch.add(seq, budget)
+        batch.add(request, seq)
 
     def schedule(self) -> ScheduledBatch:
-        bm, batch = self.block_manager, ScheduledBatch()
-        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+        batch = ScheduledBatch(self.max_num_batched_tokens)
         preempted = False
-        # 1. running sequences, oldest request first: one decode token each, or the next prefill chunk
-        for seq in list(self.running):
-            if batch.num_tokens == budget:
-                break
-            while seq.status is SequenceStatus.RUNNING and not bm.can_append(seq):
-                self.preempt(self.running[-1].request_id, batch)   # running is in arrival order
-                preempted = True
-            if seq.status is SequenceStatus.RUNNING:   # else it was the newest request: preempted itself
-                self._schedule_running(seq, batch, budget)
+        # 1. running requests, oldest first: one decode token each, or the next prefill chunk
+        for request in list(self.running):
+            for seq in request.seqs:
+                if request.status is not RequestStatus.RUNNING or batch.is_full:
+                    break   # it was the newest request and gave its own blocks back
+                if not self._ready(seq):
+                    continue
+                while request.status is RequestStatus.RUNNING and not bm.can_append(seq):
+                    self.preempt(self.running[-1], batch)   # running is in arrival order
+                    preempted = True
+                if request.status is RequestStatus.RUNNING:
+                    self._schedule_seq(request, seq, batch)
         # 2. swapped requests come back before any new one, unless this step had to preempt
-        while self.swapped and batch.num_tokens < budget and not preempted:
+        while self.swapped and not preempted and not batch.is_full:
             request = self.swapped[0]
-            if self.running and len(self.running) + len(request) > self.max_num_seqs:
-                break
-            if not bm.can_swap_in(request[0], self.watermark_blocks if self.running else 0):
+            if not self._fits(request) or not bm.can_swap_in(request.seqs[0], self._watermark()):
                 break
             self.swapped.pop(0)
-            batch.block_copies += [("swap in", cpu, dev) for cpu, dev in bm.swap_in(request[0])]
-            for seq in request:
-                self._start_running(seq)
-                self._schedule_running(seq, batch, budget)
+            for cpu, dev in bm.swap_in(request.seqs[0]):
+                batch.block_copies.append(("swap in", cpu, dev))
+            self._start_running(request)
+            for seq in request.seqs:
+                if self._ready(seq) and not batch.is_full:
+                    self._schedule_seq(request, seq, batch)
         # 3. waiting requests in order, while nothing is swapped out and this step did not preempt
-        while self.waiting and not self.swapped and batch.num_tokens < budget and not preempted:
-            seq = self.waiting[0]
-            # a new n>1 request forks into n sequences at its first token: count them all now
-            num_seqs = seq.params.n if seq.num_output_tokens == 0 else 1
-            if self.running and len(self.running) + num_seqs > self.max_num_seqs:
+        while self.waiting and not self.swapped and not preempted and not batch.is_full:
+            request = self.waiting[0]
+            leader = request.seqs[0]
+            if not self._fits(request):
                 break
-            # with nothing running no decode can be starved, so a request may fill the whole pool
-            if not bm.can_allocate(seq, self.watermark_blocks if self.running else 0):
+            if not bm.can_allocate(leader, self._watermark(), siblings=request.seqs[1:]):
                 break
             self.waiting.popleft()
-            bm.allocate(seq)
-            seq.prefill_until = len(seq)
-            self._start_running(seq)
-            batch.add(seq, budget)
-        # 4. stuck: every running sequence waits (beams for siblings still queued) and nothing fits:
-        #    make room by recomputing the newest running request (a swap would bring it straight back)
-        if not batch.seqs and self.running and (self.waiting or self.swapped):
-            self.preempt(self.running[-1].request_id, batch, mode="recompute")
-            retry = self.schedule()
-            retry.block_copies[:0] = batch.block_copies   # a swap-out decided above still has to happen first
-            return retry
+            self._admit(request, batch)
         return batch
 
-    def _choose_mode(self, victims):
-        distinct = len({b for s in victims for b in s.block_table})
-        if self.preemption_mode == "recompute" or not self.block_manager.can_swap_out(victims[0]):
-            return "recompute"   # a full CPU pool falls back to recompute
-        if self.preemption_mode == "swap":
-            return "swap"
-        if self.cost is None:
-            return "swap"   # auto with no cost measured (a Scheduler built by hand): swap while it fits
-        return "swap" if self.cost.swap_is_cheaper(sum(len(s) for s in victims), distinct) else "recompute"
+    def _admit(self, request, batch):
+        """Allocate a waiting request's blocks, all its sequences at once. A recomputed n>1 or beam
+        request comes back shared as it ran: its first sequence computes the blocks they have in
+        common (the prompt, the beams' common past), the others compute only their own tokens."""
+        leader = request.seqs[0]
+        self.block_manager.allocate(leader)
+        for seq in request.seqs[1:]:
+            self.block_manager.allocate(seq, leader=leader)
+            seq.waits_for = leader
+        self._start_running(request)
+        for seq in request.seqs:
+            seq.prefill_until = len(seq)
+            if self._ready(seq) and not batch.is_full:
+                batch.add(request, seq)
 
-    def preempt(self, request_id, batch, mode=None):
-        """Take a running request's blocks back, all its sequences at once. Swap: move them to the CPU
-        pool; it resumes where it was. Recompute: free them (the prefix cache may keep much of it) and
-        queue the request at the front; its generated tokens stay and are computed again as prompt."""
-        victims = [s for s in self.running if s.request_id == request_id]
-        mode = mode or self._choose_mode(victims)
-        held = len({b for s in victims for b in s.block_table})
-        self.block_manager.events.append(("preempt", f"preempt seq {_ids(s.seq_id for s in victims)}: {mode}, "
-                                                     f"{held} blocks " + ("to the CPU pool" if mode == "swap" else "given back")))
-        for seq in victims:
-            self.running.remove(seq)
+    def _choose_mode(self, request):
+        if self.preemption_mode == "recompute":
+            return "recompute"
+        if not self.block_manager.can_swap_out(request.seqs[0]):
+            return "recompute"   # a full CPU pool falls back to recompute
+        if self.preemption_mode == "swap" or self.cost is None:
+            return "swap"        # (auto with no cost measured, a Scheduler built by hand: swap)
+        num_tokens = sum(len(s) for s in request.seqs)
+        num_blocks = len({b for s in request.seqs for b in s.block_table})
+        return "swap" if self.cost.swap_is_cheaper(num_tokens, num_blocks) else "recompute"
+
+    def preempt(self, request, batch, mode=None):
+        """Take a running request's blocks back, all its sequences at once. Swap: move them to the
+        CPU pool; it resumes where it was. Recompute: free them (the prefix cache may keep much of
+        it) and queue the request at the front; its generated tokens stay and are computed again
+        as prompt."""
+        mode = mode or self._choose_mode(request)
+        held = sorted({b for s in request.seqs for b in s.block_table})
+        self.events.record("preempt", [s.seq_id for s in request.seqs], held, note=mode)
+        self.running.remove(request)
+        for seq in request.seqs:
             batch.remove(seq)
         if mode == "swap":
-            batch.block_copies += [("swap out", dev, cpu) for dev, cpu in self.block_manager.swap_out(victims[0])]
-            for seq in victims:
-                seq.status = SequenceStatus.SWAPPED
-            bisect.insort(self.swapped, victims, key=lambda g: g[0].request_id)
+            for dev, cpu in self.block_manager.swap_out(request.seqs[0]):
+                batch.block_copies.append(("swap out", dev, cpu))
+            request.status = RequestStatus.SWAPPED
+            bisect.insort(self.swapped, request, key=lambda r: r.request_id)
         else:
-            for seq in victims:
+            for seq in request.seqs:
                 self.block_manager.free(seq)
-                seq.status, seq.num_computed_tokens, seq.logprobs = SequenceStatus.WAITING, 0, None
-            self.waiting.extendleft(reversed(victims))
+                seq.num_computed_tokens = 0
+                seq.logprobs = None   # a beam computes its log-probs again
+                seq.waits_for = None
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
         self.num_preemptions += 1
         return mode
 
     def postprocess(self, batch, sampled):
         """After the model ran: advance each sequence, register its newly full blocks in the prefix
         cache, append sampled tokens (forking n>1 samples at their first token), finish sequences.
-        sampled: seq -> list of token ids (n of them at the first sample of an n>1 request)."""
-        bm, now = self.block_manager, time.perf_counter()
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        sampled: seq -> list of token ids (n of them at the first token of an n>1 request)."""
+        now = time.perf_counter()
+        for request, seq, n in zip(batch.requests, batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
-            bm.cache_full_blocks(seq)
+            seq.waits_for = None   # it ran, so what it shares was in place
+            self.block_manager.cache_full_blocks(seq)
             if seq not in sampled:
                 continue   # in the middle of its prompt, or a beam (the engine picks beams)
             tokens = sampled[seq]
-            samples = [seq] + [self.fork(seq) for _ in tokens[1:]]
+            request.first_token_time = request.first_token_time or now
+            samples = [seq] + [self.fork(request, seq, index=i) for i in range(1, len(tokens))]
             for s, token in zip(samples, tokens):
                 s.append_token(token)
-                s.first_token_time = s.first_token_time or now
-                if token in self.eos_token_ids and not s.params.ignore_eos:
-                    self.finish(s, "stop")
-                elif s.num_output_tokens >= s.params.max_tokens:
-                    self.finish(s, "length")
+                if token in self.eos_token_ids and not request.params.ignore_eos:
+                    self.finish(request, s, "stop")
+                elif s.num_output_tokens >= request.params.max_tokens:
+                    self.finish(request, s, "length")
 
-    def fork(self, parent):
+    def fork(self, request, parent, index=0):
         """A new sequence of parent's request sharing all its blocks (n>1 samples, beams)."""
-        child = Sequence(parent.token_ids, parent.params, parent.request_id)
-        child.num_prompt_tokens, child.arrival_time = parent.num_prompt_tokens, parent.arrival_time
-        child.first_token_time, child.prefill_until = parent.first_token_time, parent.prefill_until
+        child = Sequence(parent.token_ids, request.request_id, index)
+        child.num_prompt_tokens = parent.num_prompt_tokens
+        child.prefill_until = parent.prefill_until
         self.block_manager.fork(parent, child)
-        self._start_running(child)
+        request.seqs.append(child)
         return child
 
-    def finish(self, seq, reason):
+    def finish(self, request, seq, reason):
         """reason: "stop" (eos), "length" (max_tokens), or "pruned" (a beam that lost)."""
-        seq.status, seq.finish_reason, seq.finish_time = SequenceStatus.FINISHED, reason, time.perf_counter()
-        self.block_manager.events.append(("finish", f"seq {seq.seq_id} {'pruned' if reason == 'pruned' else 'finished'} "
-                                                    f"({reason}): {len(seq.block_table)} blocks released"))
+        seq.finish_reason = reason
+        seq.finish_time = time.perf_counter()
+        self.events.record("finish", [seq.seq_id], seq.block_table, note=reason)
         self.block_manager.free(seq)
-        self.running.remove(seq)
-        self.finished.append(seq)
+        request.seqs.remove(seq)
+        request.finished.append(seq)
+        if not request.seqs:
+            self.running.remove(request)
+            request.status = RequestStatus.FINISHED
+
+    def abort(self, request):
+        """Drop a request wherever it is and give its blocks back (after a step raised)."""
+        for queue in (self.waiting, self.running, self.swapped):
+            if request in queue:
+                queue.remove(request)
+        for seq in request.seqs:
+            self.block_manager.free(seq)
+        request.status = RequestStatus.FINISHED
 
 # ----------------------------------------------------------------------------------------------
-# 4. The engine
+# 5. The engine
 
-# what generate() and beam_search() return. outputs: n CompletionOutputs; finish_reason: "stop" (eos) or
-# "length" (max_tokens); ttft: seconds from arrival to the first token; tpot: seconds per later token
-# (mean over the samples); token_ids: the output's tokens, after the prompt; sequences: best score first
+# what generate() returns. outputs: n CompletionOutputs, by sample index; finish_reason: "stop"
+# (eos) or "length" (max_tokens); token_ids: the output's tokens, after the prompt; ttft: seconds
+# from arrival to the first token; tpot: seconds per later token (mean over the samples)
 RequestOutput = namedtuple("RequestOutput", "request_id prompt_token_ids outputs ttft tpot")
 CompletionOutput = namedtuple("CompletionOutput", "index token_ids text finish_reason")
-BeamSearchOutput = namedtuple("BeamSearchOutput", "request_id prompt_token_ids sequences")
-BeamSearchSequence = namedtuple("BeamSearchSequence", "token_ids text cum_logprob score")
+
+@dataclass
+class StepReport:
+    """What one step did, for whoever watches (LLM.on_step): the batch it ran, the events it
+    caused, the metrics after it, and how long it took."""
+    step: int
+    batch: ScheduledBatch
+    events: list
+    stats: dict
+    seconds: float
 
 class LLM:
     """The engine: owns the model, the KV cache pool, the block manager and the scheduler.
-    generate() adds requests and runs step() until they finish; step() is one batch through the model."""
+    generate() adds requests and runs step() until they finish; step() is one batch through the
+    model. Every callable in on_step gets each step's StepReport."""
 
-    def __init__(self, model=None, device=None, dtype=None, block_size=16, num_blocks=None, num_cpu_blocks=0,
-                 enable_prefix_caching=True, max_num_seqs=256, max_num_batched_tokens=2048,
-                 max_model_len=None, preemption_mode="auto", seed=0, swap_space=None, debug_blocks=False):
-        # the arguments are checked before the model loads (BlockManager checks some again, for its own callers)
-        require((block_size >= 1 and not block_size & (block_size - 1),
-                 f"block_size must be a positive power of two (1, 2, 4, ... 16 ...), got {block_size}"),
-                (preemption_mode in ("recompute", "swap", "auto"),
-                 f"preemption_mode must be 'recompute', 'swap' or 'auto', got {preemption_mode!r}"),
-                (preemption_mode != "swap" or num_cpu_blocks or swap_space,
-                 "preemption_mode='swap' needs a CPU pool: num_cpu_blocks > 0 (or swap_space in GiB), or use 'recompute'"),
-                (max_num_seqs >= 1 and max_num_batched_tokens >= 1, "max_num_seqs and max_num_batched_tokens must be >= 1"),
-                ((num_blocks is None or num_blocks >= 1) and num_cpu_blocks >= 0 and (swap_space or 0) >= 0,
-                 f"num_blocks must be >= 1 (or None: from a memory budget), num_cpu_blocks and swap_space >= 0; "
-                 f"got {num_blocks}, {num_cpu_blocks}, {swap_space}"))
+    def __init__(self, model=None, device=None, dtype=None, block_size=16, num_blocks=None,
+                 num_cpu_blocks=0, enable_prefix_caching=True, max_num_seqs=256,
+                 max_num_batched_tokens=2048, max_model_len=None, preemption_mode="auto", seed=0,
+                 swap_space=None, debug_blocks=False):
+        # the arguments are checked before the model loads, which takes seconds
+        check_pool_args(1 if num_blocks is None else num_blocks, block_size, num_cpu_blocks)
+        require(model is None or isinstance(model, str),
+                f"model must be None, a directory or 'random:<preset>', got {model!r}")
+        require(device in (None, "cpu") or str(device).startswith("cuda"),
+                f"device must be None, 'cpu' or 'cuda[:index]', got {device!r}")
+        require(dtype in (None, "float32", "bfloat16", "float16") or isinstance(dtype, torch.dtype),
+                f"dtype must be None, 'float32', 'bfloat16', 'float16' or a torch.dtype: {dtype!r}")
+        require(isinstance(enable_prefix_caching, bool),
+                f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
+        require(is_int(max_num_seqs) and max_num_seqs >= 1,
+                f"max_num_seqs must be an int >= 1, got {max_num_seqs!r}")
+        require(is_int(max_num_batched_tokens) and max_num_batched_tokens >= 1,
+                f"max_num_batched_tokens must be an int >= 1, got {max_num_batched_tokens!r}")
+        require(max_model_len is None or (is_int(max_model_len) and max_model_len >= 1),
+                f"max_model_len must be None (the model's) or an int >= 1, got {max_model_len!r}")
+        require(preemption_mode in ("recompute", "swap", "auto"),
+                f"preemption_mode must be 'recompute', 'swap' or 'auto', got {preemption_mode!r}")
+        require(swap_space is None or (is_number(swap_space) and swap_space >= 0),
+                f"swap_space must be None or a number of GiB >= 0, got {swap_space!r}")
+        require(preemption_mode != "swap" or num_cpu_blocks or swap_space,
+                "preemption_mode='swap' needs a CPU pool: num_cpu_blocks > 0 or swap_space (GiB)")
+        check_seed(seed)
+        require(isinstance(debug_blocks, bool),
+                f"debug_blocks must be a bool, got {debug_blocks!r}")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.model, self.tokenizer, eos_token_ids = load_model(model, self.device, self.dtype, seed)
         cfg = self.model.config
         self.max_model_len = max_model_len or cfg.max_position_embeddings
+        require(self.max_model_len <= cfg.max_position_embeddings,
+                f"max_model_len {max_model_len} exceeds the model's {cfg.max_position_embeddings}")
         # a block holds K and V of block_size tokens in every layer: one block id serves all layers
-        bytes_per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
-        num_blocks = num_blocks if num_blocks is not None else self._default_num_blocks(bytes_per_block)
-        shape = (2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)  # (2, num_layers, num_blocks, block_size, kv_heads, head_dim)
-        # the CPU tier: the same block shape in host memory, pinned on CUDA so copies run asynchronously
+        kv_size = cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        bytes_per_block = 2 * cfg.num_layers * block_size * kv_size
+        if num_blocks is None:
+            num_blocks = self._default_num_blocks(bytes_per_block)
         num_cpu_blocks = num_cpu_blocks or int((swap_space or 0) * (1 << 30) // bytes_per_block)
-        self.cpu_cache = torch.zeros(shape[:2] + (num_cpu_blocks,) + shape[3:], dtype=self.dtype,
-                                     pin_memory=self.device.type == "cuda")  # (2, num_layers, num_cpu_blocks, block_size, kv_heads, head_dim)
-        self.block_manager = BlockManager(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching, debug_blocks)
-        cost = PreemptionCost(bytes_per_block, self._measure_swap_bandwidth()) if num_cpu_blocks else None
+        require(preemption_mode != "swap" or num_cpu_blocks >= 1,
+                f"swap_space {swap_space} GiB holds no block of {bytes_per_block} bytes")
+        # (2, num_layers, num_blocks, block_size, kv_heads, head_dim)
+        shape = (2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # the CPU tier: the same block shape in host memory, pinned on CUDA for async copies
+        # (2, num_layers, num_cpu_blocks, block_size, kv_heads, head_dim)
+        cpu_shape = shape[:2] + (num_cpu_blocks,) + shape[3:]
+        pin = self.device.type == "cuda"
+        self.cpu_cache = torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=pin)
+        self.events = EventLog(debug=debug_blocks)
+        self.block_manager = BlockManager(num_blocks, block_size, num_cpu_blocks,
+                                          enable_prefix_caching, self.events)
+        cost = None
+        if num_cpu_blocks:
+            cost = PreemptionCost(bytes_per_block, self._measure_swap_bandwidth())
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
-                                   eos_token_ids=eos_token_ids, preemption_mode=preemption_mode, cost=cost)
-        self.debug_blocks = debug_blocks
-        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 0
+                                   eos_token_ids=eos_token_ids, preemption_mode=preemption_mode,
+                                   cost=cost)
         self.seed = seed
         self.request_ids = itertools.count()
-        self.generators = {}   # request_id -> torch.Generator: each request samples from its own stream
-        self.beams = {}        # request_id -> its live beams (Sequences), for beam_search requests
-        self.completed_beams = {}   # request_id -> [(output token ids, cum_logprob)] that ended
-        self.num_steps = self.num_prefill_tokens_computed = self.num_generated_tokens = 0
+        self.requests = {}   # request_id -> Request, until its output is returned
+        self.on_step = []    # callables: each gets every step's StepReport
+        self.num_steps = 0
+        self.num_prefill_tokens_computed = 0
+        self.num_generated_tokens = 0
 
     def _measure_swap_bandwidth(self):
-        """Bytes per second of a device -> CPU -> device round trip of a few blocks (PreemptionCost)."""
+        """Bytes per second of a device -> CPU -> device round trip of a few blocks."""
         n = min(8, self.kv_cache.shape[2], self.cpu_cache.shape[2])
         for _ in range(2):   # the first round warms up
             t0 = time.perf_counter()
-            self.copy_blocks([("swap out", i, i) for i in range(n)] + [("swap in", i, i) for i in range(n)])
+            self.copy_blocks([("swap out", i, i) for i in range(n)])
+            self.copy_blocks([("swap in", i, i) for i in range(n)])
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             seconds = time.perf_counter() - t0
         return 2 * self.kv_cache[:, :, :n].numel() * self.dtype.itemsize / max(seconds, 1e-9)
 
     def _default_num_blocks(self, bytes_per_block):
-        # on CUDA most of what the weights leave free (as vLLM's gpu_memory_utilization); 1 GiB on a CPU
-        budget = 0.8 * torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 1 << 30
+        # CUDA: most of what the weights leave free (as vLLM's gpu_memory_utilization); CPU: 1 GiB
+        if self.device.type == "cuda":
+            budget = 0.8 * torch.cuda.mem_get_info(self.device)[0]
+        else:
+            budget = 1 << 30
         return max(1, int(budget // bytes_per_block))
 
     # -- requests in
 
+    def max_blocks_needed(self, num_prompt_tokens, params):
+        """The most blocks a request can hold at once: its prompt's full blocks shared by all n
+        sequences, and every sequence's own blocks at full length. The scheduler keeps the promise
+        this makes (a request alone in the pool always finishes): the samples and beams of a request
+        share at least the prompt's full blocks always, even after a preemption."""
+        bs = self.block_manager.block_size
+        total = num_prompt_tokens + params.max_tokens
+        shared = num_prompt_tokens // bs
+        return shared + params.n * (math.ceil(total / bs) - shared)
+
     def _validate(self, token_ids, params):
         """Everything that could go wrong with a request, checked before anything changes."""
-        vocab, bs, total = self.model.config.vocab_size, self.block_manager.block_size, len(token_ids) + params.max_tokens
-        bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
-        # worst case: the prompt's full blocks shared, every sample's own blocks at full length
-        need = len(token_ids) // bs + params.n * (math.ceil(total / bs) - len(token_ids) // bs)
-        require((params.n <= self.scheduler.max_num_seqs, f"n (or beam_width) {params.n} > max_num_seqs {self.scheduler.max_num_seqs}"),
-                (token_ids, "empty prompt: a prompt needs at least one token"),
-                (not bad, f"token id {bad[:1]} is outside the vocabulary: ids must be ints in [0, {vocab})"),
-                (total <= self.max_model_len, f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                                              f"max_model_len ({self.max_model_len})"),
-                (need <= self.block_manager.num_blocks, f"the pool is too small for this request: it may need {need} blocks of "
-                 f"{bs} tokens, the pool has {self.block_manager.num_blocks}; raise num_blocks or lower max_tokens or n"))
+        vocab = self.model.config.vocab_size
+        num_blocks = self.block_manager.num_blocks
+        require(len(token_ids) > 0, "empty prompt: a prompt needs at least one token")
+        bad = [t for t in token_ids if not (is_int(t) and 0 <= t < vocab)]
+        require(not bad,
+                f"token id {bad[:1]} is outside the vocabulary: ids are ints in [0, {vocab})")
+        require(len(token_ids) + params.max_tokens <= self.max_model_len,
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})")
+        require(params.n <= self.scheduler.max_num_seqs,
+                f"n (or beam_width) {params.n} > max_num_seqs {self.scheduler.max_num_seqs}")
+        require(not isinstance(params, BeamSearchParams) or 2 * params.beam_width <= vocab,
+                f"beam_width {params.n}: each beam offers 2 * beam_width candidates, at most the "
+                f"vocabulary ({vocab})")
+        need = self.max_blocks_needed(len(token_ids), params)
+        require(need <= num_blocks,
+                f"the pool is too small for this request: it may need {need} blocks, the pool has "
+                f"{num_blocks}; raise num_blocks, or lower max_tokens or n")
 
     def _tokenize(self, prompt):
         if isinstance(prompt, str):
-            require((self.tokenizer, "this model has no tokenizer (random weights): pass prompts as lists of token ids"))
+            require(self.tokenizer is not None,
+                    "this model has no tokenizer (random weights): give prompts as token-id lists")
             return self.tokenizer.encode(prompt, add_special_tokens=False)
+        require(isinstance(prompt, (list, tuple)),
+                f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
         return list(prompt)
 
     def add_requests(self, prompts, params=None, kind=SamplingParams):
-        """Validate all, then queue all: a bad prompt leaves the engine as it was. Returns request ids."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Validate all, then queue all: a bad prompt leaves the engine as it was. Returns ids."""
+        one_prompt = isinstance(prompts, (list, tuple)) and prompts and is_int(prompts[0])
+        if isinstance(prompts, str) or one_prompt:
             prompts = [prompts]
-        params = params or kind()
-        params = params if isinstance(params, list) else [params] * len(prompts)
-        require((len(params) == len(prompts), f"{len(params)} {kind.__name__} for {len(prompts)} prompts: give one, or one each"),
-                (all(isinstance(p, kind) for p in params), f"expected {kind.__name__}, got {type(params[0]).__name__} "
-                 "(generate takes SamplingParams, beam_search takes BeamSearchParams)"))
+        require(isinstance(prompts, (list, tuple)),
+                f"prompts must be a string, a list of strings or of token-id lists, got "
+                f"{type(prompts).__name__}")
+        params = kind() if params is None else params
+        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        require(len(params) == len(prompts),
+                f"params: {len(params)} for {len(prompts)} prompts; give one, or one per prompt")
+        for p in params:
+            require(isinstance(p, kind), f"params: expected {kind.__name__}, got {type(p).__name__}"
+                    " (generate takes SamplingParams, beam_search takes BeamSearchParams)")
         token_lists = [self._tokenize(p) for p in prompts]
         for token_ids, p in zip(token_lists, params):
             self._validate(token_ids, p)
         request_ids = []
         for token_ids, p in zip(token_lists, params):
             request_id = next(self.request_ids)
-            seed = self.seed * 1_000_003 + request_id if getattr(p, "seed", None) is None else p.seed
-            self.generators[request_id] = torch.Generator().manual_seed(seed)
-            self.scheduler.add(Sequence(token_ids, p, request_id))
+            seed = getattr(p, "seed", None)
+            if seed is None:
+                seed = (self.seed * 1_000_003 + request_id) % 2**63
+            self.requests[request_id] = Request(request_id, token_ids, p, seed)
+            self.scheduler.add(self.requests[request_id])
             request_ids.append(request_id)
         return request_ids
 
     def generate(self, prompts, params=None):
-        """prompts: a string, a list of strings or a list of token-id lists; params: one for all, or one
-        per prompt. Returns one RequestOutput per prompt, in order."""
+        """prompts: a string, a list of strings or a list of token-id lists; params: one for all,
+        or one per prompt. Returns one RequestOutput per prompt, in order."""
         request_ids = self.add_requests(prompts, params)
-        while self.scheduler.has_unfinished():
-            self.step()
-        return [self._output(r) for r in request_ids]
+        self._run(request_ids)
+        return [self._output(self.requests.pop(r)) for r in request_ids]
 
     def beam_search(self, prompts, params):
-        """Keep the beam_width most likely continuations of each prompt. Beams of one request share
-        their common prefix's blocks: a beam chosen twice forks (ref_count + 1, no copy), a beam not
-        chosen is freed, and only a shared, partly filled last block is ever copied (on write).
-        Returns one BeamSearchOutput per prompt, its sequences best first."""
+        """Keep the beam_width most likely continuations of each prompt (section 6). Returns one
+        BeamSearchOutput per prompt, its sequences best first."""
         request_ids = self.add_requests(prompts, params, kind=BeamSearchParams)
-        for r in request_ids:
-            self.beams[r] = [s for s in self.scheduler.waiting if s.request_id == r]
-            self.completed_beams[r] = []
-        while self.scheduler.has_unfinished():
-            self.step()
-        return [self._beam_output(r) for r in request_ids]
+        self._run(request_ids)
+        outputs = [beam_output(self.requests.pop(r), self._detokenize) for r in request_ids]
+        # an eos ends a hypothesis without joining a beam: it counts only if it is returned
+        eos_ended = [s for o in outputs for s in o.sequences if s.finish_reason == "stop"]
+        self.num_generated_tokens += len(eos_ended)
+        return outputs
 
-    def _beam_round(self, request_id):
-        """Every live beam has its next-token log-probs: pick the new beams (vLLM's rule). Each beam
-        offers its 2 * beam_width best tokens; an eos candidate ends (completed), the beam_width best
-        others by cumulative log-prob live on."""
-        params, beams = self.beams[request_id][0].params, self.beams[request_id]
-        candidates = []   # (cum_logprob, parent beam, token)
-        for beam in beams:
-            top = beam.logprobs.topk(2 * params.beam_width)
-            candidates += [(beam.cum_logprob + lp, beam, t) for lp, t in zip(top.values.tolist(), top.indices.tolist())]
-            beam.logprobs = None
-        ends = lambda t: t in self.scheduler.eos_token_ids and not params.ignore_eos
-        for cum, beam, t in candidates:
-            if ends(t):   # an eos candidate is a finished sequence: keep its tokens and score, no blocks
-                self.completed_beams[request_id].append((beam.token_ids[beam.num_prompt_tokens:] + [t], cum))
-                self.num_generated_tokens += 1
-        chosen = sorted((c for c in candidates if not ends(c[2])), key=lambda c: c[0], reverse=True)[:params.beam_width]
-        new_beams = []
-        for beam in beams:   # fork first (children copy the parent's tokens), then append
-            picks = [(c, t) for c, b, t in chosen if b is beam]
-            if not picks:
-                self.scheduler.finish(beam, "pruned")
-                continue
-            family = [beam] + [self.scheduler.fork(beam) for _ in picks[1:]]
-            for child, (cum, t) in zip(family, picks):
-                child.append_token(t)
-                child.cum_logprob = cum
-            new_beams += family
-        self.num_generated_tokens += len(new_beams)
-        if new_beams and new_beams[0].num_output_tokens >= params.max_tokens:   # out of tokens: the live beams end here
-            for beam in new_beams:
-                self.completed_beams[request_id].append((beam.token_ids[beam.num_prompt_tokens:], beam.cum_logprob))
-                self.scheduler.finish(beam, "length")
-            new_beams = []
-        self.beams[request_id] = new_beams
+    def _run(self, request_ids):
+        """Step until these requests finish. If a step raises, they are dropped with all their
+        blocks (the engine keeps serving the others) and the error goes on."""
+        try:
+            while any(self.requests[r].status is not RequestStatus.FINISHED for r in request_ids):
+                self.step()
+        except BaseException:
+            for r in request_ids:
+                self.scheduler.abort(self.requests.pop(r))
+            raise
 
-    def _pop_finished(self, request_id):
-        """The request's finished sequences, oldest first, taken out of the scheduler's list."""
-        seqs = sorted((s for s in self.scheduler.finished if s.request_id == request_id), key=lambda s: s.seq_id)
-        self.scheduler.finished = [s for s in self.scheduler.finished if s.request_id != request_id]
-        self.generators.pop(request_id)
-        return seqs
-
-    def _beam_output(self, request_id):
-        del self.beams[request_id]   # [] by now: every beam ended, into completed_beams
-        first = self._pop_finished(request_id)[0]
-        params = first.params
-        score = lambda tokens, cum: cum / len(tokens) ** params.length_penalty
-        best = sorted(self.completed_beams.pop(request_id), key=lambda c: score(*c), reverse=True)[:params.beam_width]
-        return BeamSearchOutput(request_id, first.token_ids[:first.num_prompt_tokens],
-                                [BeamSearchSequence(t, self._detokenize(t), c, score(t, c)) for t, c in best])
-
-    def _output(self, request_id):
-        seqs = self._pop_finished(request_id)
-        outs = [CompletionOutput(i, s.token_ids[s.num_prompt_tokens:], self._detokenize(s.token_ids[s.num_prompt_tokens:]),
-                                 s.finish_reason) for i, s in enumerate(seqs)]
-        ttft = seqs[0].first_token_time - seqs[0].arrival_time
-        tpot = sum((s.finish_time - s.first_token_time) / max(1, s.num_output_tokens - 1) for s in seqs) / len(seqs)
-        return RequestOutput(request_id, seqs[0].token_ids[:seqs[0].num_prompt_tokens], outs, ttft, tpot)
+    def _output(self, request):
+        seqs = sorted(request.finished, key=lambda s: s.index)
+        outs = [CompletionOutput(s.index, s.output_token_ids, self._detokenize(s.output_token_ids),
+                                 s.finish_reason) for s in seqs]
+        ttft = request.first_token_time - request.arrival_time
+        tpot = [(s.finish_time - request.first_token_time) / max(1, s.num_output_tokens - 1)
+                for s in seqs]
+        return RequestOutput(request.request_id, request.prompt_token_ids, outs, ttft,
+                             sum(tpot) / len(tpot))
 
     def _detokenize(self, token_ids):
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     # -- one step
 
     def step(self):
-        """Schedule, copy blocks, run the model on one flat batch, sample, postprocess. Returns the batch."""
+        """Schedule, copy blocks, run the model on one flat batch, sample, postprocess. Returns
+        the StepReport that every callable in on_step gets."""
+        require(self.scheduler.has_unfinished(), "step(): nothing to run; add_requests() first")
         t0 = time.perf_counter()
+        self.events.step = self.num_steps + 1
         batch = self.scheduler.schedule()
-        assert batch.seqs, "the scheduler found nothing to run (a request too large for the pool?)"
-        # 1. block copies, in the order the scheduler decided them, before anybody writes into a block
+        assert batch.seqs, "the scheduler found nothing to run: a request outgrew its bound"
+        # 1. block copies, in the order the scheduler decided them, before anybody writes a block
         self.copy_blocks(batch.block_copies)
         # 2. the batch as tensors (model.Batch), and which sequences get a next token this step
         model_batch, samplers = self._prepare(batch)
-        # 3. the model writes every new token's K/V into its slot and returns logits for the samplers
-        logits = self.model(model_batch, self.kv_cache).cpu()   # (num_sampled, vocab)
-        # 4. sampling: n tokens at the first sample of an n>1 request (those fork), else one;
-        #    a beam keeps its log-probs until all beams of its request have theirs
+        # 3. the model writes every new token's K/V into its slot and returns logits to sample
+        logits = self.model(model_batch, self.kv_cache).cpu()   # (len(samplers), vocab) float32
+        # 4. sampling: n tokens at the first token of an n>1 request (it forks), else one, each
+        #    sample from its own stream; a beam keeps its log-probs for the round of its request
         sampled = {}
-        for seq, row in zip(samplers, logits):
-            if isinstance(seq.params, BeamSearchParams):
+        for (request, seq), row in zip(samplers, logits):
+            if request.is_beam_search:
                 seq.logprobs = row.log_softmax(-1)
+            elif seq.num_output_tokens == 0:
+                sampled[seq] = [self._sample(row, request, i) for i in range(request.params.n)]
             else:
-                n = seq.params.n if seq.num_output_tokens == 0 else 1
-                sampled[seq] = self._sample(row, seq.params, self.generators[seq.request_id], n)
+                sampled[seq] = [self._sample(row, request, seq.index)]
         # 5. metrics, then the scheduler advances the sequences
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):   # tokens before prefill_until are prefill
-            self.num_prefill_tokens_computed += max(0, min(seq.num_computed_tokens + n, seq.prefill_until) - seq.num_computed_tokens)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):   # prefill: before prefill_until
+            start = seq.num_computed_tokens
+            self.num_prefill_tokens_computed += max(0, min(start + n, seq.prefill_until) - start)
         self.num_generated_tokens += sum(len(t) for t in sampled.values())
         self.scheduler.postprocess(batch, sampled)
-        # 6. beam search: a round ends when every live beam of a request is running with its log-probs
-        for request_id, beams in self.beams.items():
-            if beams and all(b.logprobs is not None and b.status is SequenceStatus.RUNNING
-                             and b.num_computed_tokens == len(b) for b in beams):
-                self._beam_round(request_id)
+        # 6. beam search (section 6): a round once every live beam of a request has its log-probs
+        for request in list(self.scheduler.running):
+            if request.is_beam_search and all(b.logprobs is not None for b in request.seqs):
+                self.num_generated_tokens += beam_round(self.scheduler, request)
         self.num_steps += 1
+        seconds = time.perf_counter() - t0
         if self.scheduler.cost is not None:
-            self.scheduler.cost.observe_step(batch.num_tokens, time.perf_counter() - t0)
-        events, self.block_manager.events = self.block_manager.events, []
-        if self.debug_blocks:   # the debug log: every block event of this step
-            for kind, text in events:
-                print(f"step {self.num_steps:5}  {kind:10}  {text}", file=sys.stderr)
-        return batch
+            self.scheduler.cost.observe_step(batch.num_tokens, seconds)
+        report = StepReport(self.num_steps, batch, self.events.take(), self.stats(), seconds)
+        if self.events.debug:   # the debug log: every block event of this step
+            for e in report.events:
+                print(f"step {e.step:5}  {e.kind:10}  {e.words()}", file=sys.stderr)
+        for callback in self.on_step:
+            callback(report)
+        return report
 
     def copy_blocks(self, block_copies):
-        """Carry out a ScheduledBatch's block copies, in order: each moves every layer's K and V of one block."""
+        """Carry out a ScheduledBatch's block copies, in order: each moves one block's K and V in
+        every layer."""
         for kind, src, dst in block_copies:
             if kind == "copy":        # copy-on-write inside the device pool
                 self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
-            elif kind == "swap out":  # device -> pinned host memory; the CUDA stream keeps the order
+            elif kind == "swap out":  # device -> pinned host memory; the CUDA stream keeps order
                 self.cpu_cache[:, :, dst].copy_(self.kv_cache[:, :, src], non_blocking=True)
             else:                     # swap in: host -> device
                 self.kv_cache[:, :, dst].copy_(self.cpu_cache[:, :, src], non_blocking=True)
 
-    def _prepare(self, batch):   # ScheduledBatch -> (model.Batch, samplers); shapes: model.Batch
+    def _prepare(self, batch):
+        """ScheduledBatch -> (model.Batch, samplers): the sequences whose chunk reaches their last
+        token sample from its logits, as (request, seq) pairs. Shapes: see model.Batch."""
         bs = self.block_manager.block_size
-        input_ids, positions, slot_mapping, query_start_loc, logits_indices, samplers = [], [], [], [0], [], []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        input_ids, positions, slot_mapping, logits_indices, samplers = [], [], [], [], []
+        query_start_loc, context_lens = [0], []
+        for request, seq, n in zip(batch.requests, batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens   # this step computes positions [start, start + n)
             input_ids += seq.token_ids[start:start + n]
             positions += range(start, start + n)
-            slot_mapping += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            slot_mapping += [seq.block_table[p // bs] * bs + p % bs for p in positions[-n:]]
             query_start_loc.append(query_start_loc[-1] + n)
-            if start + n == len(seq):   # the chunk reaches the last token: its logits pick the next one
+            context_lens.append(start + n)
+            if start + n == len(seq):   # the chunk reaches the last token: its logits sample
                 logits_indices.append(query_start_loc[-1] - 1)
-                samplers.append(seq)
+                samplers.append((request, seq))
         max_blocks = max(len(s.block_table) for s in batch.seqs)
         block_tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch.seqs]
-        t = lambda x, dtype: torch.tensor(x, dtype=dtype, device=self.device)
-        context_lens = [s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)]
-        num_kv_splits = 1 if self.device.type != "cuda" else num_kv_splits_for(
-            len(batch.seqs), self.model.config.num_kv_heads, max(context_lens), self.num_sms)
-        return Batch(input_ids=t(input_ids, torch.long), positions=t(positions, torch.long),
-                     slot_mapping=t(slot_mapping, torch.long), block_tables=t(block_tables, torch.int32),
-                     context_lens=t(context_lens, torch.int32), query_start_loc=t(query_start_loc, torch.int32),
-                     logits_indices=t(logits_indices, torch.long), max_query_len=max(batch.num_new_tokens),
-                     num_kv_splits=num_kv_splits), samplers
+
+        def tensor(x, dtype):
+            return torch.tensor(x, dtype=dtype, device=self.device)
+
+        model_batch = Batch(input_ids=tensor(input_ids, torch.long),
+                            positions=tensor(positions, torch.long),
+                            slot_mapping=tensor(slot_mapping, torch.long),
+                            block_tables=tensor(block_tables, torch.int32),
+                            context_lens=tensor(context_lens, torch.int32),
+                            query_start_loc=tensor(query_start_loc, torch.int32),
+                            logits_indices=tensor(logits_indices, torch.long),
+                            max_query_len=max(batch.num_new_tokens),
+                            max_context_len=max(context_lens))
+        return model_batch, samplers
 
     @staticmethod
-    def _sample(logits, params, generator, n):
-        """logits: (vocab,) float32 on the CPU. Returns n token ids."""
+    def _sample(logits, request, i):
+        """One token for sample i of request. logits: (vocab,) float32 on the CPU."""
+        params = request.params
         if params.temperature == 0:
-            return [int(logits.argmax())] * n
+            return int(logits.argmax())
         logits = logits / params.temperature
         if params.top_k:
             kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
@@ -950,47 +1218,125 @@ class LLM:
         if params.top_p < 1:
             sorted_logits, order = logits.sort(descending=True)
             probs = sorted_logits.softmax(-1)
-            drop = probs.cumsum(-1) - probs >= params.top_p   # tokens whose predecessors already reach top_p
-            logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-        return torch.multinomial(logits.softmax(-1), n, replacement=True, generator=generator).tolist()
+            drop = probs.cumsum(-1) - probs >= params.top_p   # the tokens after top_p is reached
+            drop = torch.zeros_like(drop).scatter(0, order, drop)   # back in vocabulary order
+            logits = logits.masked_fill(drop, float("-inf"))
+        probs = logits.softmax(-1)
+        return int(torch.multinomial(probs, 1, generator=request.generators[i]))
 
     def stats(self):
-        """The engine's metrics (vLLM's names where vLLM has one), as fractions (0..1) and counts."""
-        bm, used = self.block_manager, self.block_manager.num_used_blocks()
-        return {"kv_cache_usage_perc": used / bm.num_blocks,   # cached blocks nobody holds count as free
-                "token_occupancy_perc": bm.num_stored_tokens() / (used * bm.block_size) if used else 0.0,
-                "prefix_cache_queries": bm.prefix_cache_queries, "prefix_cache_hits": bm.prefix_cache_hits,   # tokens
-                "prefix_cache_hit_rate": bm.prefix_cache_hits / bm.prefix_cache_queries if bm.prefix_cache_queries else 0.0,
-                "num_preemptions": self.scheduler.num_preemptions, "num_swapped_out_blocks": bm.num_swapped_out_blocks,
-                "num_swapped_in_blocks": bm.num_swapped_in_blocks, "num_cow_copies": bm.num_cow_copies,
-                "num_evictions": bm.num_evictions, "num_prefill_tokens_computed": self.num_prefill_tokens_computed,
-                "num_generated_tokens": self.num_generated_tokens}
+        """The engine's metrics (vLLM's names where vLLM has one): fractions (0..1) and counts."""
+        bm = self.block_manager
+        used = bm.num_used_blocks()
+        queries = bm.prefix_cache_queries
+        return {
+            "kv_cache_usage_perc": used / bm.num_blocks,   # cached blocks nobody holds are free
+            "token_occupancy_perc": bm.num_stored_tokens() / max(1, used * bm.block_size),
+            "prefix_cache_queries": queries,               # in tokens
+            "prefix_cache_hits": bm.prefix_cache_hits,     # in tokens
+            "prefix_cache_hit_rate": bm.prefix_cache_hits / queries if queries else 0.0,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_swapped_out_blocks": bm.num_swapped_out_blocks,
+            "num_swapped_in_blocks": bm.num_swapped_in_blocks,
+            "num_cow_copies": bm.num_cow_copies,
+            "num_evictions": bm.num_evictions,
+            "num_prefill_tokens_computed": self.num_prefill_tokens_computed,
+            "num_generated_tokens": self.num_generated_tokens,
+        }
 
 # ----------------------------------------------------------------------------------------------
-# 5. Command line
+# 6. Beam search: the beams of a request are forks of one another, on shared blocks
+#
+# Each round every live beam offers its 2 * beam_width most likely next tokens (vLLM's rule); an
+# eos candidate completes a hypothesis, the beam_width best of the others live on. A beam chosen
+# twice forks (ref_count + 1, no copy), a beam not chosen is freed, and only a shared, partly
+# filled last block is ever copied (on write). The common prefix of the beams stays shared.
+
+# a beam and one of its next tokens, with the log-probability the beam would then have
+BeamCandidate = namedtuple("BeamCandidate", "cum_logprob beam token")
+# a beam that ended (eos, or max_tokens): one of the candidates for the output
+BeamHypothesis = namedtuple("BeamHypothesis", "token_ids cum_logprob finish_reason")
+# what beam_search() returns: sequences best score first
+BeamSearchOutput = namedtuple("BeamSearchOutput", "request_id prompt_token_ids sequences")
+BeamSearchSequence = namedtuple("BeamSearchSequence",
+                                "token_ids text cum_logprob score finish_reason")
+
+def beam_round(scheduler, request):
+    """Every live beam of request has its next-token log-probs: choose the next beams. Returns
+    the number of tokens appended to beams."""
+    params = request.params
+    candidates = []
+    for beam in request.seqs:
+        top = beam.logprobs.topk(2 * params.beam_width)
+        for logprob, token in zip(top.values.tolist(), top.indices.tolist()):
+            candidates.append(BeamCandidate(beam.cum_logprob + logprob, beam, token))
+        beam.logprobs = None
+    live = []
+    for c in candidates:
+        if c.token in scheduler.eos_token_ids and not params.ignore_eos:
+            hypothesis = BeamHypothesis(c.beam.output_token_ids + [c.token], c.cum_logprob, "stop")
+            request.completed.append(hypothesis)
+        else:
+            live.append(c)
+    chosen = sorted(live, key=lambda c: c.cum_logprob, reverse=True)[:params.beam_width]
+    for beam in list(request.seqs):   # fork first (a child copies its parent's tokens)...
+        picks = [c for c in chosen if c.beam is beam]
+        if not picks:
+            scheduler.finish(request, beam, "pruned")
+            continue
+        family = [beam] + [scheduler.fork(request, beam) for _ in picks[1:]]
+        for child, pick in zip(family, picks):   # ... then append
+            child.append_token(pick.token)
+            child.cum_logprob = pick.cum_logprob
+    if request.seqs and request.seqs[0].num_output_tokens >= params.max_tokens:
+        for beam in list(request.seqs):   # out of tokens: the live beams end here
+            hypothesis = BeamHypothesis(beam.output_token_ids, beam.cum_logprob, "length")
+            request.completed.append(hypothesis)
+            scheduler.finish(request, beam, "length")
+    return len(chosen)
+
+def beam_output(request, detokenize):
+    """The beam_width best hypotheses, by cum_logprob / num_tokens ** length_penalty."""
+    params = request.params
+
+    def score(h):
+        return h.cum_logprob / len(h.token_ids) ** params.length_penalty
+
+    best = sorted(request.completed, key=score, reverse=True)[:params.beam_width]
+    sequences = [BeamSearchSequence(h.token_ids, detokenize(h.token_ids), h.cum_logprob, score(h),
+                                    h.finish_reason) for h in best]
+    return BeamSearchOutput(request.request_id, request.prompt_token_ids, sequences)
+
+# ----------------------------------------------------------------------------------------------
+# 7. Command line
 
 PROMPTS = ["The capital of France is", "Write a haiku about memory:", "def fibonacci(n):",
            "Paging splits the KV cache into blocks because"]
 
 def main():
-    p = argparse.ArgumentParser(description="nanopaged: generate through a paged KV cache and print what it did")
-    p.add_argument("--model", default=None, help="None: SmolLM2-135M-Instruct; a local directory; random:<preset>")
+    p = argparse.ArgumentParser(description="nanopaged: generate through a paged KV cache")
+    p.add_argument("--model", default=None,
+                   help="None: SmolLM2-135M-Instruct; a local directory; random:<preset>")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    p.add_argument("--num-blocks", type=int, default=None, help="blocks in the pool (default: from a memory budget)")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="blocks in the pool (default: from a memory budget)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
-    p.add_argument("--n", type=int, default=1, help="samples per prompt (they share the prompt's blocks)")
+    p.add_argument("--n", type=int, default=1, help="samples per prompt (they share its blocks)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--beam-width", type=int, default=0, help="beam search of this width instead of sampling")
+    p.add_argument("--beam-width", type=int, default=0, help="beam search of this width")
     p.add_argument("--num-cpu-blocks", type=int, default=0, help="blocks in the CPU swap pool")
     p.add_argument("--preemption-mode", default="auto", choices=["recompute", "swap", "auto"],
                    help="what to do with the newest request when blocks run out")
     p.add_argument("--debug-blocks", action="store_true",
-                   help="log every ref-count change, allocation, free, copy, eviction and swap to stderr")
+                   help="log every ref-count change, allocation, copy, eviction and swap to stderr")
     args = p.parse_args()
-    llm = LLM(args.model, device=args.device, block_size=args.block_size, num_blocks=args.num_blocks,
-              num_cpu_blocks=args.num_cpu_blocks, preemption_mode=args.preemption_mode, debug_blocks=args.debug_blocks)
-    prompts = PROMPTS if llm.tokenizer else [[1 + i] * (5 + 3 * i) for i in range(len(PROMPTS))]
+    llm = LLM(args.model, device=args.device, block_size=args.block_size,
+              num_blocks=args.num_blocks, num_cpu_blocks=args.num_cpu_blocks,
+              preemption_mode=args.preemption_mode, debug_blocks=args.debug_blocks)
+    prompts = PROMPTS
+    if llm.tokenizer is None:   # random weights: made-up token ids
+        prompts = [[1 + i] * (5 + 3 * i) for i in range(len(PROMPTS))]
     if args.beam_width:
         for out in llm.beam_search(prompts, BeamSearchParams(args.beam_width, args.max_tokens)):
             for i, b in enumerate(out.sequences):
@@ -999,7 +1345,8 @@ def main():
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, n=args.n)
         for out in llm.generate(prompts, params):
             for c in out.outputs:
-                print(f"[{out.request_id}.{c.index}] {c.text or c.token_ids!r}  ({c.finish_reason})")
+                text = c.text or c.token_ids
+                print(f"[{out.request_id}.{c.index}] {text!r}  ({c.finish_reason})")
     for k, v in llm.stats().items():
         print(f"{k:28} {v:.3f}" if isinstance(v, float) else f"{k:28} {v}")
 

@@ -13,16 +13,14 @@ torch.set_num_threads(2)
 
 
 def checked(llm):
-    """Make every engine step end with check_invariants(); returns llm."""
-    step = llm.step
-
-    def step_and_check():
-        batch = step()
-        llm.block_manager.check_invariants()
-        return batch
-
-    llm.step = step_and_check
+    """Make every engine step end with check_invariants() (through the step hook); returns llm."""
+    llm.on_step.append(lambda report: llm.block_manager.check_invariants())
     return llm
+
+
+def running_seqs(llm):
+    """Every sequence of every running request, oldest request first."""
+    return [s for r in llm.scheduler.running for s in r.seqs]
 
 
 def assert_no_block_held(llm):
@@ -30,7 +28,8 @@ def assert_no_block_held(llm):
     bm = llm.block_manager
     bm.check_invariants()
     assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} blocks still held"
-    assert not bm.seqs and not llm.scheduler.running and not llm.scheduler.waiting
+    assert not bm.seqs and not bm.swapped_seqs
+    assert not llm.scheduler.running and not llm.scheduler.waiting and not llm.scheduler.swapped
 
 
 def hf_greedy(hf, prompt_ids, max_new_tokens):

@@ -3,7 +3,7 @@ preemption, bad input. Every run checks the block manager's invariants after eve
 import pytest
 import torch
 
-from conftest import assert_no_block_held, checked, hf_greedy
+from conftest import assert_no_block_held, checked, hf_greedy, running_seqs
 from nanopaged import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32)
@@ -110,16 +110,14 @@ def test_n4_sampling_shares_prompt_blocks_and_copies_only_the_partial_block():
     llm = tiny(block_size=16)
     prompt = ids(4, 40)   # 2 full blocks + a last block holding 8 tokens
     seen = []
-    step = llm.step
 
-    def watch():
-        batch = step()
+    def watch(report):
         bm = llm.block_manager
-        tables = [list(s.block_table) for s in llm.scheduler.running]
-        seen.append((len(tables), [[bm.blocks[b].ref_count for b in t] for t in tables], tables, bm.num_cow_copies))
-        return batch
+        tables = [list(s.block_table) for s in running_seqs(llm)]
+        seen.append((len(tables), [[bm.blocks[b].ref_count for b in t] for t in tables], tables,
+                     bm.num_cow_copies))
 
-    llm.step = watch
+    llm.on_step.append(watch)
     out = llm.generate([prompt], SamplingParams(temperature=1.0, n=4, max_tokens=5, seed=1))[0]
     # after the prefill step the request forked: four tables, every block of the prompt held 4 times
     n_seqs, refs, tables, copies = seen[0]
@@ -140,8 +138,7 @@ def test_chunked_prefill_matches_whole_prefill():
     want = [o.outputs[0].token_ids for o in tiny(block_size=4).generate(prompts, params)]
     llm = tiny(block_size=4, max_num_batched_tokens=8)
     sizes = []
-    step = llm.step
-    llm.step = lambda: sizes.append(sum(step().num_new_tokens)) or None
+    llm.on_step.append(lambda report: sizes.append(report.batch.num_tokens))
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
     assert max(sizes) == 8 and len(sizes) >= 60 // 8
     assert_no_block_held(llm)

@@ -1,15 +1,18 @@
-"""Property-based: random operations on a BlockManager (hypothesis) never break an invariant, never
-lose or mix up a token's K/V, and every block comes back at the end.
+"""Property-based (hypothesis): random operations on a BlockManager never break an invariant, never
+lose or mix up a token's K/V, and every block comes back at the end; random whole requests through
+the engine, in pools down to the smallest it accepts, all finish with a roomy pool's tokens.
 
 The K/V are modelled by the token each slot holds: the test writes a sequence's tokens into its slots
 as the model would, makes the block copies the block manager asks for (copy-on-write, swap out, swap
 in), and checks after every operation that each sequence reads its own tokens back through its block
 table, whatever was shared, copied, evicted or swapped."""
-from hypothesis import settings
+import torch
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from nanopaged import BlockManager, Sequence
+from conftest import assert_no_block_held, checked
+from nanopaged import LLM, BeamSearchParams, BlockManager, SamplingParams, Sequence
 
 BLOCK_SIZE = 4
 PREFIXES = [list(range(100, 112)), list(range(200, 212)), [100, 101, 102, 103] + list(range(300, 308))]
@@ -124,3 +127,59 @@ class BlockManagerMachine(RuleBasedStateMachine):
 BlockManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestBlockManagerProperties = BlockManagerMachine.TestCase
 TestBlockManagerProperties.__doc__ = "Random allocate/append/fork/free/swap/evict sequences keep every invariant and every token."
+
+
+# ----------------------------------------------------------------------------------------------
+# Whole requests through the engine: every request that passes validation finishes
+
+
+
+def prompt_ids(seed, n):
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+requests = st.lists(st.tuples(st.integers(0, 999), st.integers(1, 20), st.integers(1, 4),
+                              st.integers(1, 10)), min_size=1, max_size=4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(requests=requests, beams=st.booleans(), block_size=st.sampled_from([1, 2, 4, 8, 16]),
+       prefix_caching=st.booleans(), mode=st.sampled_from(["recompute", "swap", "auto"]),
+       extra_blocks=st.sampled_from([0, 0, 1, 3]), cpu_share=st.sampled_from([0.3, 1.0, 2.0]),
+       max_num_batched_tokens=st.sampled_from([2048, 7, 2]), max_num_seqs=st.sampled_from([256, 5]))
+def test_every_request_that_passes_validation_finishes(requests, beams, block_size, prefix_caching,
+                                                       mode, extra_blocks, cpu_share,
+                                                       max_num_batched_tokens, max_num_seqs):
+    """Greedy n>1 and beam requests, prefix caching on and off, recompute and swap, in pools from
+    the smallest _validate accepts upward: every request finishes with a roomy pool's tokens, no
+    step runs more than max_num_seqs sequences, and no block is held at the end."""
+    prompts = [prompt_ids(seed, length) for seed, length, _, _ in requests]
+    if beams:
+        params = [BeamSearchParams(beam_width=n, max_tokens=m) for _, _, n, m in requests]
+    else:
+        params = [SamplingParams(temperature=0, n=n, max_tokens=m) for _, _, n, m in requests]
+
+    def run(llm):
+        if beams:
+            return [[s.token_ids for s in o.sequences] for o in llm.beam_search(prompts, params)]
+        return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
+
+    roomy = LLM("random:tiny", block_size=block_size, num_blocks=1000)
+    want = run(roomy)
+    # the smallest pool _validate accepts for these requests (it refuses one block less)
+    smallest = max(roomy.max_blocks_needed(len(p), q) for p, q in zip(prompts, params))
+    num_blocks = smallest + extra_blocks
+    llm = checked(LLM("random:tiny", block_size=block_size, num_blocks=num_blocks,
+                      enable_prefix_caching=prefix_caching, preemption_mode=mode,
+                      num_cpu_blocks=0 if mode == "recompute" else max(1, int(cpu_share * num_blocks)),
+                      max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs))
+    running = []
+
+    def watch(report):
+        running.append(len(llm.block_manager.seqs))
+        assert report.step < 3000, "no progress: a livelock"
+
+    llm.on_step.append(watch)
+    assert run(llm) == want
+    assert max(running) <= max_num_seqs
+    assert_no_block_held(llm)

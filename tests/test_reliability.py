@@ -6,7 +6,7 @@ from contextlib import redirect_stderr
 import pytest
 import torch
 
-from conftest import assert_no_block_held, checked
+from conftest import assert_no_block_held, checked, running_seqs
 from nanopaged import LLM, BeamSearchParams, SamplingParams, ScheduledBatch
 
 
@@ -36,19 +36,11 @@ def unconstrained():
     """The workload with room for everything: its outputs and its peak block need."""
     prompts, params = pressure_workload()
     llm = LLM("random:tiny", block_size=4, num_blocks=4000)
-    peak = 0
-    step = llm.step
-
-    def watch():
-        nonlocal peak
-        batch = step()
-        peak = max(peak, llm.block_manager.num_used_blocks())
-        return batch
-
-    llm.step = watch
+    peaks = [0]
+    llm.on_step.append(lambda report: peaks.append(llm.block_manager.num_used_blocks()))
     outs = llm.generate(prompts, params)
     assert llm.stats()["num_preemptions"] == 0
-    return [[c.token_ids for c in o.outputs] for o in outs], peak
+    return [[c.token_ids for c in o.outputs] for o in outs], max(peaks)
 
 
 @pytest.fixture(scope="module")
@@ -104,11 +96,12 @@ def test_swap_out_and_in_keeps_kv_and_continues_exactly():
     [request_id] = llm.add_requests([prompt], params)
     for _ in range(5):
         llm.step()
-    seqs = list(llm.scheduler.running)
+    [request] = llm.scheduler.running
+    seqs = list(request.seqs)
     assert len(seqs) == 2 and seqs[0].block_table[:5] == seqs[1].block_table[:5]   # samples share the prompt
     before = [kv_of(llm, s) for s in seqs]
-    batch = ScheduledBatch()
-    assert llm.scheduler.preempt(request_id, batch, mode="swap") == "swap"
+    batch = ScheduledBatch(budget=2048)
+    assert llm.scheduler.preempt(request, batch, mode="swap") == "swap"
     llm.copy_blocks(batch.block_copies)
     distinct = len({b for s in seqs for b in s.block_table})
     assert len(batch.block_copies) == distinct            # each distinct block moved once: sharing survives
@@ -118,10 +111,10 @@ def test_swap_out_and_in_keeps_kv_and_continues_exactly():
     llm.block_manager.check_invariants()
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks   # all on the CPU now
     llm.step()   # swaps the request back in and continues
-    assert all(s.status.value == "running" or s.status.value == "finished" for s in seqs)
+    assert request.status.value in ("running", "finished")
     while llm.scheduler.has_unfinished():
         llm.step()
-    out = llm._output(request_id)
+    out = llm._output(llm.requests.pop(request_id))
     assert [c.token_ids for c in out.outputs] == want
     assert_no_block_held(llm)
 
@@ -132,10 +125,11 @@ def test_swapped_in_kv_equals_swapped_out_kv():
     [request_id] = llm.add_requests([ids(8, 18)], SamplingParams(temperature=0, max_tokens=20))
     for _ in range(4):
         llm.step()
-    [seq] = llm.scheduler.running
+    [request] = llm.scheduler.running
+    [seq] = request.seqs
     before = kv_of(llm, seq)
-    batch = ScheduledBatch()
-    llm.scheduler.preempt(request_id, batch, mode="swap")
+    batch = ScheduledBatch(budget=2048)
+    llm.scheduler.preempt(request, batch, mode="swap")
     llm.copy_blocks(batch.block_copies)
     llm.kv_cache.normal_()   # whatever the device pool held is gone
     batch = llm.scheduler.schedule()
@@ -195,19 +189,16 @@ def test_beam_search_matches_simple_beam_search_default_model(default_hf, width)
 def test_beam_search_width4_shares_blocks():
     """Width-4 beams hold at most 60% of the blocks they would hold unshared; copies only of partial blocks."""
     llm = checked(LLM("random:tiny", block_size=16, num_blocks=128))
-    shared = unshared = 0
-    step = llm.step
+    seen = []
 
-    def watch():
-        nonlocal shared, unshared
-        batch = step()
-        beams = [s for s in llm.scheduler.running]
-        shared = max(shared, len({b for s in beams for b in s.block_table}))
-        unshared = max(unshared, sum(len(s.block_table) for s in beams))
-        return batch
+    def watch(report):
+        beams = running_seqs(llm)
+        seen.append((len({b for s in beams for b in s.block_table}), sum(len(s.block_table) for s in beams)))
 
-    llm.step = watch
+    llm.on_step.append(watch)
     llm.beam_search([ids(30, 100)], BeamSearchParams(beam_width=4, max_tokens=24))
+    shared = max(s for s, _ in seen)
+    unshared = max(u for _, u in seen)
     assert shared <= 0.6 * unshared, f"{shared} blocks with sharing vs {unshared} without"
     assert llm.stats()["num_cow_copies"] > 0
     assert_no_block_held(llm)
@@ -265,18 +256,10 @@ def test_swapped_request_that_fills_the_pool_comes_back():
 def test_max_num_seqs_counts_the_samples_of_n_gt_1():
     """With max_num_seqs=4, two n=4 requests never run more than 4 sequences at once."""
     llm = checked(LLM("random:tiny", block_size=4, num_blocks=64, max_num_seqs=4))
-    most = 0
-    step = llm.step
-
-    def watch():
-        nonlocal most
-        batch = step()
-        most = max(most, len(llm.scheduler.running))
-        return batch
-
-    llm.step = watch
+    running = []
+    llm.on_step.append(lambda report: running.append(len(running_seqs(llm))))
     outs = llm.generate([ids(70, 5), ids(71, 7)], SamplingParams(temperature=0.9, n=4, max_tokens=5, seed=3))
-    assert most == 4 and all(len(o.outputs) == 4 for o in outs)
+    assert max(running) == 4 and all(len(o.outputs) == 4 for o in outs)
     with pytest.raises(ValueError, match="max_num_seqs"):
         llm.generate([ids(72, 5)], SamplingParams(n=5))
     assert_no_block_held(llm)
