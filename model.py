@@ -185,8 +185,8 @@ def default_model_dir():
 
 @functools.lru_cache(maxsize=2)
 def load_hf(name=None, seed=0):
-    """(transformers model in float32, tokenizer or None). Cached: the GGUF file takes ~20 s to
-    dequantize."""
+    """(transformers model in float32, tokenizer or None). Cached: dequantizing the GGUF file
+    takes seconds."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
     if name is not None and name.startswith("random:"):
         preset = name.removeprefix("random:")
