@@ -238,6 +238,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
         raise ValueError(f"NANOPAGED_ATTENTION must be 'triton' or 'torch', got {backend!r}")
     if triton is None:
         raise RuntimeError("NANOPAGED_ATTENTION=triton, but Triton is not installed")
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("NANOPAGED_ATTENTION=triton on CPU tensors needs TRITON_INTERPRET=1")
     splits = 1
     if q.is_cuda:
         if max_context_len is None:

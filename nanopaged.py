@@ -14,9 +14,9 @@ table mapping its logical blocks to physical ones. That one indirection buys:
 
 Read it in the order one request travels:
   1. SamplingParams, BeamSearchParams, Sequence, Request    what a request is
-  2. Event, EventLog     what happened, as records: the debug log prints them
-  3. BlockManager        the block pool: allocate, prefix cache, fork, copy-on-write, free, swap
-  4. Scheduler           which tokens run this step; preemption when blocks run out
+  2. BlockManager        the block pool: allocate, prefix cache, fork, copy-on-write, free, swap
+  3. Scheduler           which tokens run this step; preemption when blocks run out
+  4. Event, EventLog     what happened, as records: the debug log prints them
   5. LLM                 the engine: block copies, tensors for the model, sampling, one step
   6. beam search         the engine's beams: forks of one another on shared blocks
   7. command line
@@ -89,7 +89,7 @@ class SamplingParams:
 class BeamSearchParams:
     beam_width: int
     max_tokens: int = 16
-    length_penalty: float = 1.0   # score = cum_logprob / num_output_tokens ** length_penalty
+    length_penalty: float = 1.0   # score = cum_logprob / length ** length_penalty (beam_output)
     ignore_eos: bool = False
 
     def __post_init__(self):
@@ -117,7 +117,8 @@ class Sequence:
         self.index = index               # which sample of its request (CompletionOutput.index)
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(self.token_ids)
-        self.num_computed_tokens = 0     # tokens whose K/V are in the cache (computed or found)
+        self.num_computed_tokens = 0     # tokens whose K/V are in the cache, or (waits_for) will be
+                                         # once its leader has computed them
         self.num_cached_tokens = 0       # of those, found in the prefix cache at the last allocate
         self.block_table = []            # physical block ids: token i is in block_table[i // bs]
         self.block_hashes = []           # hash chain over its full blocks (BlockManager)
@@ -174,73 +175,19 @@ class Request:
         return isinstance(self.params, BeamSearchParams)
 
     @property
+    def forked(self):   # has it sampled its first token, where n>1 samples fork?
+        return bool(self.finished) or self.seqs[0].num_output_tokens > 0
+
+    @property
     def max_num_running_seqs(self):
         """What the request counts against max_num_seqs: n (or beam_width) from its admission on,
         so that its forks always fit; once its samples have forked, the ones still live."""
-        if self.is_beam_search or self.first_token_time is None:
+        if self.is_beam_search or not self.forked:
             return self.params.n
         return len(self.seqs)
 
 # ----------------------------------------------------------------------------------------------
-# 2. What happened: events as records
-
-def _ids(xs):   # '4, 7, 12' for the event log
-    return ", ".join(map(str, xs))
-
-EVENT_WORDS = {   # the plain words of each kind of event, for the debug log and the live view
-    "prefix hit": "seq {seqs} finds blocks {blocks} in the prefix cache ({note} tokens)",
-    "fork": "seq {seqs} forks from seq {note}: blocks {blocks} shared",
-    "copy": "seq {seqs} copies shared block {blocks} to block {to} before writing (copy-on-write)",
-    "evict": "block {blocks} is evicted from the prefix cache (cached, held by nobody)",
-    "swap out": "seq {seqs} swapped out: blocks {blocks} to cpu blocks {to}",
-    "swap in": "seq {seqs} swapped in: cpu blocks {blocks} to blocks {to}",
-    "preempt": "seq {seqs} preempted by {note}: blocks {blocks} taken back",
-    "finish": "seq {seqs} finishes ({note}): blocks {blocks} released",
-    # the debug log's kinds (debug_blocks=True): every single ref-count change
-    "allocate": "seq {seqs} takes free block {blocks}",
-    "ref+1": "seq {seqs} holds block {blocks}: ref {note}",
-    "ref-1": "seq {seqs} lets go of block {blocks}: ref {note}",
-    "cache": "seq {seqs} leaves block {blocks} in the prefix cache: ref 0",
-    "free": "seq {seqs} leaves block {blocks} free: ref 0",
-    "register": "seq {seqs} registers block {blocks} in the prefix cache (entry {note})",
-}
-DEBUG_KINDS = frozenset(["allocate", "ref+1", "ref-1", "cache", "free", "register"])
-
-@dataclass(frozen=True)
-class Event:
-    step: int
-    kind: str                # a key of EVENT_WORDS
-    seq_ids: tuple = ()
-    block_ids: tuple = ()    # the blocks it acts on (device blocks; cpu blocks for a swap in)
-    to_ids: tuple = ()       # where they went: the copy's block, the other pool's blocks
-    note: str = ""           # a token count, a parent, a mode, a reason, a ref count
-
-    def words(self):
-        return EVENT_WORDS[self.kind].format(seqs=_ids(self.seq_ids), blocks=_ids(self.block_ids),
-                                             to=_ids(self.to_ids), note=self.note)
-
-class EventLog:
-    """Where the block manager and the scheduler write what happened, one Event per record() call.
-    The engine stamps the step and takes the records at its end. Debug kinds are kept only when
-    debug is on: they are many, one per ref-count change."""
-
-    def __init__(self, debug=False):
-        self.debug = debug
-        self.step = 0
-        self.records = []
-
-    def record(self, kind, seq_ids=(), block_ids=(), to_ids=(), note=""):
-        if self.debug or kind not in DEBUG_KINDS:
-            self.records.append(Event(self.step, kind, tuple(seq_ids), tuple(block_ids),
-                                      tuple(to_ids), str(note)))
-
-    def take(self):
-        records = self.records
-        self.records = []
-        return records
-
-# ----------------------------------------------------------------------------------------------
-# 3. The block pool
+# 2. The block pool
 
 def check_pool_args(num_blocks, block_size, num_cpu_blocks):
     require(is_int(block_size) and block_size >= 1 and not block_size & (block_size - 1),
@@ -258,16 +205,19 @@ class Block:
     # needs the same hash, the same tokens, and parent_entry == the entry of the block matched
     # before it: a hash can collide and tokens say nothing of the prefix, but by induction the
     # whole prefix then matches.
-    hash: int | None = None   # chain hash of the whole prefix up to and including this block
-    token_ids: tuple = ()     # this block's tokens
-    entry: int | None = None  # registration number, never reused: an evicted block's children
-    parent_entry: int | None = None   # stop matching. parent_entry: the block before (None: first)
+    hash: int | None = None           # chain hash of the prefix up to and including this block
+    token_ids: tuple = ()             # this block's tokens
+    entry: int | None = None          # registration number, never reused (so the children of an
+                                      # evicted block stop matching)
+    parent_entry: int | None = None   # the entry of the block before it (None: the first block)
 
 class BlockManager:
     """Hands out blocks of the KV cache pool. Three kinds of block at any moment:
     used (ref_count > 0), cached (ref_count 0 but registered in the prefix cache: its K/V may be
     reused until it is evicted) and free. Allocate and free are O(1). An optional CPU pool of the
-    same block shape holds swapped-out requests."""
+    same block shape holds swapped-out requests. Whoever writes a sequence's K/V (the engine)
+    then sets seq.num_computed_tokens and calls cache_full_blocks(seq): only registered blocks
+    are found by later prompts."""
 
     def __init__(self, num_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=True,
                  events=None):
@@ -280,8 +230,9 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids = deque(range(num_blocks))   # truly free: nothing worth keeping inside
         self.cached_block_ids = OrderedDict()            # ref_count 0, registered; LRU order
-        # the prefix cache: chain hash -> registered block ids, as an ordered set (more than one
-        # when two requests computed the same prefix in one step, or when hashes collide)
+        # the prefix cache: chain hash -> registered block ids, as an ordered set: more than one
+        # when a prefix was computed twice (two requests in one step, a swap-in, siblings
+        # recomputed apart) or when hashes collide
         self.hash_to_block_ids = {}
         self.entries = itertools.count()                 # numbers the prefix cache's registrations
         self.seqs = {}                                   # seq_id -> Sequence holding device blocks
@@ -342,7 +293,8 @@ class BlockManager:
             if not longer:
                 break   # a chain: after the first miss no later block can be this prefix's
             chains = longer
-        return next(iter(chains.values()))
+        # of equally long chains, the one with the most held blocks: hits on it cost no free block
+        return max(chains.values(), key=lambda chain: sum(b.ref_count > 0 for b in chain))
 
     # -- taking and returning single blocks
 
@@ -390,12 +342,13 @@ class BlockManager:
         return (num_tokens + self.block_size - 1) // self.block_size
 
     def _num_shared(self, leader, seq):
-        """Blocks seq shares with leader, a sibling allocated first: its leading blocks that are
-        full and hold the same tokens in both, up to the block of seq's last token (seq's own)."""
-        for i in range((len(seq) - 1) // self.block_size):
+        """Blocks seq shares with leader, a sibling allocated first: the leading blocks that hold
+        the same tokens in both, before the block of either one's last token (its writer's own)."""
+        limit = (min(len(seq), len(leader)) - 1) // self.block_size
+        for i in range(limit):
             if self._tokens(leader, i) != self._tokens(seq, i):
                 return i
-        return (len(seq) - 1) // self.block_size
+        return limit
 
     def can_allocate(self, seq, watermark=0, siblings=()):
         """Would allocate(seq), then allocate(s, leader=seq) for each sibling, leave `watermark`
@@ -469,6 +422,7 @@ class BlockManager:
         """child shares every block of parent: no K/V is copied, each block's ref_count goes up."""
         for block_id in parent.block_table:
             self._hold(self.blocks[block_id], child)
+        child.request_id = parent.request_id   # swapped and preempted together
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
@@ -628,7 +582,7 @@ class BlockManager:
         return sum(filled.values())
 
 # ----------------------------------------------------------------------------------------------
-# 4. The scheduler: which tokens run this step
+# 3. The scheduler: which tokens run this step
 
 @dataclass
 class ScheduledBatch:
@@ -665,8 +619,9 @@ class ScheduledBatch:
 @dataclass
 class PreemptionCost:
     """What preemption_mode='auto' weighs, measured on this machine. Recomputing a request costs
-    a prefill of all its tokens: tokens * seconds_per_token, the engine's own average over its
-    steps (an upper estimate: a step's fixed overhead is spread over its tokens). Swapping costs
+    a prefill of its tokens (its first sequence whole, the others past the blocks they share):
+    tokens * seconds_per_token, the engine's own average over its steps (an upper estimate: a
+    step's fixed overhead is spread over its tokens; prefix hits may save more). Swapping costs
     moving its distinct blocks out and back in: 2 * blocks * bytes_per_block / copy bandwidth,
     measured when the engine starts by timing a round trip of a few blocks."""
     bytes_per_block: int
@@ -684,14 +639,15 @@ class PreemptionCost:
         return swap_seconds < num_tokens * self.seconds_per_token
 
 class Scheduler:
-    """First come, first served continuous batching over requests. Each step: every running
-    sequence gets its next token (or its next prefill chunk); then swapped-out requests come
-    back; then waiting requests are admitted while the token budget, max_num_seqs and free blocks
-    allow. If a running sequence cannot get a block, the most recently arrived running request is
-    preempted: swapped to the CPU pool, or freed to be recomputed, before any new request runs."""
+    """First come, first served continuous batching over requests. Each step, while the token
+    budget lasts: running sequences get their next token (or their next prefill chunk), oldest
+    request first; then swapped-out requests come back; then waiting requests are admitted while
+    max_num_seqs and free blocks allow. If a running sequence cannot get a block, the most
+    recently arrived running request is preempted: swapped to the CPU pool, or freed to be
+    recomputed, before any new request runs."""
 
     def __init__(self, block_manager, max_num_seqs=256, max_num_batched_tokens=2048,
-                 watermark=0.01, eos_token_ids=(), preemption_mode="recompute", cost=None):
+                 watermark=0.01, eos_token_ids=(), preemption_mode="auto", cost=None):
         self.block_manager = block_manager   # (LLM checks the arguments, before the model loads)
         self.events = block_manager.events   # one log for the pool and the schedule
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -747,8 +703,10 @@ class Scheduler:
         # 1. running requests, oldest first: one decode token each, or the next prefill chunk
         for request in list(self.running):
             for seq in request.seqs:
+                # it was the newest and gave its own blocks back, or the budget is spent: the
+                # rest wait for the next step (so samples of a request may differ by a token)
                 if request.status is not RequestStatus.RUNNING or batch.is_full:
-                    break   # it was the newest request and gave its own blocks back
+                    break
                 if not self._ready(seq):
                     continue
                 while request.status is RequestStatus.RUNNING and not bm.can_append(seq):
@@ -756,7 +714,8 @@ class Scheduler:
                     preempted = True
                 if request.status is RequestStatus.RUNNING:
                     self._schedule_seq(request, seq, batch)
-        # 2. swapped requests come back before any new one, unless this step had to preempt
+        # 2. swapped requests come back before any new one; not in a step that had to preempt:
+        #    blocks are short, and what was freed is for the running requests' next tokens
         while self.swapped and not preempted and not batch.is_full:
             request = self.swapped[0]
             if not self._fits(request) or not bm.can_swap_in(request.seqs[0], self._watermark()):
@@ -802,7 +761,11 @@ class Scheduler:
             return "recompute"   # a full CPU pool falls back to recompute
         if self.preemption_mode == "swap" or self.cost is None:
             return "swap"        # (auto with no cost measured, a Scheduler built by hand: swap)
-        num_tokens = sum(len(s) for s in request.seqs)
+        # what a recompute computes: the first sequence whole, the others past what they share
+        bm = self.block_manager
+        leader = request.seqs[0]
+        num_tokens = len(leader) + sum(len(s) - bm.block_size * bm._num_shared(leader, s)
+                                       for s in request.seqs[1:])
         num_blocks = len({b for s in request.seqs for b in s.block_table})
         return "swap" if self.cost.swap_is_cheaper(num_tokens, num_blocks) else "recompute"
 
@@ -823,23 +786,27 @@ class Scheduler:
             request.status = RequestStatus.SWAPPED
             bisect.insort(self.swapped, request, key=lambda r: r.request_id)
         else:
-            for seq in request.seqs:
-                self.block_manager.free(seq)
-                seq.num_computed_tokens = 0
-                seq.logprobs = None   # a beam computes its log-probs again
-                seq.waits_for = None
-            request.status = RequestStatus.WAITING
-            self.waiting.appendleft(request)
+            self._recompute(request)
         self.num_preemptions += 1
         return mode
+
+    def _recompute(self, request):
+        """Free a request's blocks and queue it in front, to be computed again from its tokens."""
+        for seq in request.seqs:
+            self.block_manager.free(seq)
+            seq.num_computed_tokens = 0
+            seq.logprobs = None   # a beam computes its log-probs again
+            seq.waits_for = None
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
 
     def postprocess(self, batch, sampled):
         """After the model ran: advance each sequence, register its newly full blocks in the prefix
         cache, append sampled tokens (forking n>1 samples at their first token), finish sequences.
         sampled: seq -> list of token ids (n of them at the first token of an n>1 request)."""
         now = time.perf_counter()
-        for request, seq, n in zip(batch.requests, batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
+        for request, seq, num_new in zip(batch.requests, batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += num_new
             seq.waits_for = None   # it ran, so what it shares was in place
             self.block_manager.cache_full_blocks(seq)
             if seq not in sampled:
@@ -875,6 +842,16 @@ class Scheduler:
             self.running.remove(request)
             request.status = RequestStatus.FINISHED
 
+    def recompute_all(self):
+        """After a step that failed partway (its block copies, its K/V writes may not have happened)
+        every request holding blocks gives them back, to be recomputed from its tokens, which are
+        safe. Registered blocks stay cached: they were computed before and never written again."""
+        holders = sorted(self.running + self.swapped, key=lambda r: r.request_id)
+        for request in reversed(holders):   # the newest first, so that the oldest ends in front
+            self._recompute(request)
+        self.running.clear()
+        self.swapped.clear()
+
     def abort(self, request):
         """Drop a request wherever it is and give its blocks back (after a step raised)."""
         for queue in (self.waiting, self.running, self.swapped):
@@ -883,6 +860,64 @@ class Scheduler:
         for seq in request.seqs:
             self.block_manager.free(seq)
         request.status = RequestStatus.FINISHED
+
+# ----------------------------------------------------------------------------------------------
+# 4. What happened: events as records
+
+def _ids(xs):   # '4, 7, 12' for the event log
+    return ", ".join(map(str, xs))
+
+EVENT_WORDS = {   # the plain words of each kind of event, for the debug log and the live view
+    "prefix hit": "seq {seqs} finds blocks {blocks} in the prefix cache ({note} tokens)",
+    "fork": "seq {seqs} forks from seq {note}: blocks {blocks} shared",
+    "copy": "seq {seqs} copies shared block {blocks} to block {to} before writing (copy-on-write)",
+    "evict": "block {blocks} is evicted from the prefix cache (cached, held by nobody)",
+    "swap out": "seq {seqs} swapped out: blocks {blocks} to cpu blocks {to}",
+    "swap in": "seq {seqs} swapped in: cpu blocks {blocks} to blocks {to}",
+    "preempt": "seq {seqs} preempted by {note}: blocks {blocks} taken back",
+    "finish": "seq {seqs} finishes ({note}): blocks {blocks} released",
+    # the debug log's kinds (debug_blocks=True): every single ref-count change
+    "allocate": "seq {seqs} takes free block {blocks}",
+    "ref+1": "seq {seqs} holds block {blocks}: ref {note}",
+    "ref-1": "seq {seqs} lets go of block {blocks}: ref {note}",
+    "cache": "seq {seqs} leaves block {blocks} in the prefix cache: ref 0",
+    "free": "seq {seqs} leaves block {blocks} free: ref 0",
+    "register": "seq {seqs} registers block {blocks} in the prefix cache (entry {note})",
+}
+DEBUG_KINDS = frozenset(["allocate", "ref+1", "ref-1", "cache", "free", "register"])
+
+@dataclass(frozen=True)
+class Event:
+    step: int
+    kind: str                # a key of EVENT_WORDS
+    seq_ids: tuple = ()
+    block_ids: tuple = ()    # the blocks it acts on (device blocks; cpu blocks for a swap in)
+    to_ids: tuple = ()       # where they went: the copy's block, the other pool's blocks
+    note: str = ""           # a token count, a parent, a mode, a reason, a ref count
+
+    def words(self):
+        return EVENT_WORDS[self.kind].format(seqs=_ids(self.seq_ids), blocks=_ids(self.block_ids),
+                                             to=_ids(self.to_ids), note=self.note)
+
+class EventLog:
+    """Where the block manager and the scheduler write what happened, one Event per record() call.
+    The engine stamps the step and takes the records at its end. Debug kinds are kept only when
+    debug is on: they are many, one per ref-count change."""
+
+    def __init__(self, debug=False):
+        self.debug = debug
+        self.step = 0
+        self.records = []
+
+    def record(self, kind, seq_ids=(), block_ids=(), to_ids=(), note=""):
+        if self.debug or kind not in DEBUG_KINDS:
+            self.records.append(Event(self.step, kind, tuple(seq_ids), tuple(block_ids),
+                                      tuple(to_ids), str(note)))
+
+    def take(self):
+        records = self.records
+        self.records = []
+        return records
 
 # ----------------------------------------------------------------------------------------------
 # 5. The engine
@@ -980,15 +1015,17 @@ class LLM:
 
     def _measure_swap_bandwidth(self):
         """Bytes per second of a device -> CPU -> device round trip of a few blocks."""
-        n = min(8, self.kv_cache.shape[2], self.cpu_cache.shape[2])
+        num_probe_blocks = min(8, self.kv_cache.shape[2], self.cpu_cache.shape[2])
+        probe = range(num_probe_blocks)
         for _ in range(2):   # the first round warms up
             t0 = time.perf_counter()
-            self.copy_blocks([("swap out", i, i) for i in range(n)])
-            self.copy_blocks([("swap in", i, i) for i in range(n)])
+            self.copy_blocks([("swap out", i, i) for i in probe])
+            self.copy_blocks([("swap in", i, i) for i in probe])
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             seconds = time.perf_counter() - t0
-        return 2 * self.kv_cache[:, :, :n].numel() * self.dtype.itemsize / max(seconds, 1e-9)
+        num_bytes = 2 * self.kv_cache[:, :, probe].numel() * self.dtype.itemsize
+        return num_bytes / max(seconds, 1e-9)
 
     def _default_num_blocks(self, bytes_per_block):
         # CUDA: most of what the weights leave free (as vLLM's gpu_memory_utilization); CPU: 1 GiB
@@ -1002,13 +1039,14 @@ class LLM:
 
     def max_blocks_needed(self, num_prompt_tokens, params):
         """The most blocks a request can hold at once: its prompt's full blocks shared by all n
-        sequences, and every sequence's own blocks at full length. The scheduler keeps the promise
-        this makes (a request alone in the pool always finishes): the samples and beams of a request
-        share at least the prompt's full blocks always, even after a preemption."""
+        sequences, and every sequence's own blocks at full length (its last token is sampled, never
+        written). The scheduler keeps the promise this makes, that a request alone in the pool
+        always finishes: its samples or beams share the prompt's full blocks, even after a
+        preemption."""
         bs = self.block_manager.block_size
-        total = num_prompt_tokens + params.max_tokens
+        written = num_prompt_tokens + params.max_tokens - 1   # the last token ends it, unwritten
         shared = num_prompt_tokens // bs
-        return shared + params.n * (math.ceil(total / bs) - shared)
+        return shared + params.n * (math.ceil(written / bs) - shared)
 
     def _validate(self, token_ids, params):
         """Everything that could go wrong with a request, checked before anything changes."""
@@ -1116,11 +1154,31 @@ class LLM:
     # -- one step
 
     def step(self):
-        """Schedule, copy blocks, run the model on one flat batch, sample, postprocess. Returns
-        the StepReport that every callable in on_step gets."""
+        """One engine step (the story is in _step). Returns its StepReport, which every callable
+        in on_step gets too. A step that fails partway leaves every request to be recomputed."""
         require(self.scheduler.has_unfinished(), "step(): nothing to run; add_requests() first")
         t0 = time.perf_counter()
         self.events.step = self.num_steps + 1
+        try:
+            batch = self._step()
+        except BaseException:   # an error, or Ctrl-C: nothing of this step can be trusted
+            self.events.take()
+            self.scheduler.recompute_all()
+            raise
+        self.num_steps += 1
+        seconds = time.perf_counter() - t0
+        if self.scheduler.cost is not None:
+            self.scheduler.cost.observe_step(batch.num_tokens, seconds)
+        report = StepReport(self.num_steps, batch, self.events.take(), self.stats(), seconds)
+        if self.events.debug:   # the debug log: every block event of this step
+            for e in report.events:
+                print(f"step {e.step:5}  {e.kind:10}  {e.words()}", file=sys.stderr)
+        for callback in self.on_step:
+            callback(report)
+        return report
+
+    def _step(self):
+        """Schedule, copy blocks, run the model on one flat batch, sample, postprocess."""
         batch = self.scheduler.schedule()
         assert batch.seqs, "the scheduler found nothing to run: a request outgrew its bound"
         # 1. block copies, in the order the scheduler decided them, before anybody writes a block
@@ -1135,31 +1193,22 @@ class LLM:
         for (request, seq), row in zip(samplers, logits):
             if request.is_beam_search:
                 seq.logprobs = row.log_softmax(-1)
-            elif seq.num_output_tokens == 0:
+            elif not request.forked:
                 sampled[seq] = [self._sample(row, request, i) for i in range(request.params.n)]
             else:
                 sampled[seq] = [self._sample(row, request, seq.index)]
         # 5. metrics, then the scheduler advances the sequences
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):   # prefill: before prefill_until
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):   # prefill: before prefill_until
             start = seq.num_computed_tokens
-            self.num_prefill_tokens_computed += max(0, min(start + n, seq.prefill_until) - start)
+            end = min(start + num_new, seq.prefill_until)
+            self.num_prefill_tokens_computed += max(0, end - start)
         self.num_generated_tokens += sum(len(t) for t in sampled.values())
         self.scheduler.postprocess(batch, sampled)
         # 6. beam search (section 6): a round once every live beam of a request has its log-probs
         for request in list(self.scheduler.running):
             if request.is_beam_search and all(b.logprobs is not None for b in request.seqs):
                 self.num_generated_tokens += beam_round(self.scheduler, request)
-        self.num_steps += 1
-        seconds = time.perf_counter() - t0
-        if self.scheduler.cost is not None:
-            self.scheduler.cost.observe_step(batch.num_tokens, seconds)
-        report = StepReport(self.num_steps, batch, self.events.take(), self.stats(), seconds)
-        if self.events.debug:   # the debug log: every block event of this step
-            for e in report.events:
-                print(f"step {e.step:5}  {e.kind:10}  {e.words()}", file=sys.stderr)
-        for callback in self.on_step:
-            callback(report)
-        return report
+        return batch
 
     def copy_blocks(self, block_copies):
         """Carry out a ScheduledBatch's block copies, in order: each moves one block's K and V in
@@ -1178,14 +1227,15 @@ class LLM:
         bs = self.block_manager.block_size
         input_ids, positions, slot_mapping, logits_indices, samplers = [], [], [], [], []
         query_start_loc, context_lens = [0], []
-        for request, seq, n in zip(batch.requests, batch.seqs, batch.num_new_tokens):
-            start = seq.num_computed_tokens   # this step computes positions [start, start + n)
-            input_ids += seq.token_ids[start:start + n]
-            positions += range(start, start + n)
-            slot_mapping += [seq.block_table[p // bs] * bs + p % bs for p in positions[-n:]]
-            query_start_loc.append(query_start_loc[-1] + n)
-            context_lens.append(start + n)
-            if start + n == len(seq):   # the chunk reaches the last token: its logits sample
+        for request, seq, num_new in zip(batch.requests, batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens   # this step computes positions start .. end - 1
+            end = start + num_new
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slot_mapping += [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
+            query_start_loc.append(query_start_loc[-1] + num_new)
+            context_lens.append(end)
+            if end == len(seq):   # the chunk reaches the last token: its logits sample
                 logits_indices.append(query_start_loc[-1] - 1)
                 samplers.append((request, seq))
         max_blocks = max(len(s.block_table) for s in batch.seqs)
@@ -1296,11 +1346,13 @@ def beam_round(scheduler, request):
     return len(chosen)
 
 def beam_output(request, detokenize):
-    """The beam_width best hypotheses, by cum_logprob / num_tokens ** length_penalty."""
+    """The beam_width best hypotheses, by cum_logprob / length ** length_penalty, where length
+    counts the prompt and the output but not an ending eos (vLLM's rule)."""
     params = request.params
 
     def score(h):
-        return h.cum_logprob / len(h.token_ids) ** params.length_penalty
+        length = len(request.prompt_token_ids) + len(h.token_ids) - (h.finish_reason == "stop")
+        return h.cum_logprob / length ** params.length_penalty
 
     best = sorted(request.completed, key=score, reverse=True)[:params.beam_width]
     sequences = [BeamSearchSequence(h.token_ids, detokenize(h.token_ids), h.cum_logprob, score(h),

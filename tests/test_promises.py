@@ -264,6 +264,37 @@ def test_a_step_that_raises_removes_the_requests_of_its_call(case):
     assert_no_block_held(llm)
 
 
+def test_a_failed_step_leaves_the_other_requests_exact():
+    """A step that fails before its block copies are made leaves the requests it does not drop
+    with the tokens of a run that never failed (they are recomputed, not served stale K/V)."""
+    kwargs = dict(block_size=4, num_blocks=20, num_cpu_blocks=8, preemption_mode="swap",
+                  max_num_batched_tokens=5)
+    params = SamplingParams(temperature=0, max_tokens=6, n=2)
+    other = list(range(40, 49))
+    want = [c.token_ids for c in LLM("random:tiny", **kwargs).generate([other], params)[0].outputs]
+    llm = LLM("random:tiny", **kwargs)
+    [other_id] = llm.add_requests([other], params)
+    copy_blocks = llm.copy_blocks
+    calls = []
+
+    def failing_copy_blocks(block_copies):   # the third step fails before its copies are made
+        calls.append(block_copies)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        copy_blocks(block_copies)
+
+    llm.copy_blocks = failing_copy_blocks
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 1, 2]], params)
+    assert any(kind == "copy" for kind, _, _ in calls[2])   # a copy-on-write was left undone
+    llm.copy_blocks = copy_blocks
+    while llm.scheduler.has_unfinished():
+        llm.step()
+        llm.block_manager.check_invariants()
+    assert [c.token_ids for c in llm._output(llm.requests.pop(other_id)).outputs] == want
+    assert_no_block_held(llm)
+
+
 # ----------------------------------------------------------------------------------------------
 # The other errors at the API: ValueError, naming the parameter
 

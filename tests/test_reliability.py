@@ -156,7 +156,12 @@ def simple_beam_search(hf, prompt, width, max_tokens, eos_ids, length_penalty=1.
         beams = [(tokens + [t], c) for c, tokens, t in
                  sorted((c for c in candidates if c[2] not in eos_ids), key=lambda c: c[0], reverse=True)[:width]]
     completed += beams
-    return max(completed, key=lambda c: c[1] / len(c[0]) ** length_penalty)[0]
+
+    def score(c):   # the length counts the prompt, not an ending eos
+        tokens, cum = c
+        return cum / (len(prompt) + len(tokens) - (tokens[-1] in eos_ids)) ** length_penalty
+
+    return max(completed, key=score)[0]
 
 
 @pytest.mark.parametrize("width", [2, 4])
