@@ -66,6 +66,7 @@ def main():
     p.add_argument("--random-weights", action="store_true",
                    help="random weights of the smollm2-135m shape (no files)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--live", action="store_true", help="watch the pool and the block tables")
     args = p.parse_args()
     model = "random:smollm2-135m" if args.random_weights else args.model
     console = Console()
@@ -80,7 +81,7 @@ def main():
               for i in range(n)]
     seen = watch(llm)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = llm.generate(prompts, params, live=args.live)
     elapsed = time.perf_counter() - t0
     stats = llm.stats()
     where = (f"{model or 'smollm2'}; {platform.machine()}, {torch.get_num_threads()} threads, "
@@ -101,8 +102,9 @@ def main():
     max_tokens = 16 if args.quick else 64
     beams = BeamSearchParams(4, max_tokens)
     samples = SamplingParams(temperature=1.0, n=4, max_tokens=max_tokens, ignore_eos=True)
-    for name, run in (("beam search, width 4", lambda l, p: l.beam_search([p], beams)),
-                      ("sampling, n=4", lambda l, p: l.generate([p], samples))):
+    for name, run in (("beam search, width 4",
+                       lambda l, p: l.beam_search([p], beams, live=args.live)),
+                      ("sampling, n=4", lambda l, p: l.generate([p], samples, live=args.live))):
         llm = LLM(model, device=args.device, num_blocks=512)
         seen = watch(llm)
         run(llm, prompt(llm, 4) if llm.tokenizer else list(range(1, 60)))

@@ -188,6 +188,8 @@ def load_hf(name=None, seed=0):
     """(transformers model in float32, tokenizer or None). Cached: dequantizing the GGUF file
     takes seconds."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging
+    logging.disable_progress_bar()   # no loading bars over the live view
     if name is not None and name.startswith("random:"):
         preset = name.removeprefix("random:")
         if preset not in PRESETS:

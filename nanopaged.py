@@ -19,13 +19,16 @@ Read it in the order one request travels:
   4. Event, EventLog     what happened, as records: the debug log prints them
   5. LLM                 the engine: block copies, tensors for the model, sampling, one step
   6. beam search         the engine's beams: forks of one another on shared blocks
-  7. command line
+  7. View                the live view (skip it on a first reading)
+  8. command line        demos that provoke each mechanism
 
-    python nanopaged.py                  generate from a few prompts with the default model
-    python nanopaged.py --help           the knobs (block size, pool sizes, preemption, debug log)
+    python nanopaged.py --live           watch the default demo: the pool, every block table
+    python nanopaged.py --demo fork --trace    a plain-text snapshot per step, for handouts
+    python nanopaged.py --help           the demos and the knobs (block size, pools, preemption)
 """
 import argparse
 import bisect
+import contextlib
 import itertools
 import math
 import sys
@@ -1107,30 +1110,33 @@ class LLM:
             request_ids.append(request_id)
         return request_ids
 
-    def generate(self, prompts, params=None):
+    def generate(self, prompts, params=None, live=False):
         """prompts: a string, a list of strings or a list of token-id lists; params: one for all,
-        or one per prompt. Returns one RequestOutput per prompt, in order."""
+        or one per prompt; live: watch it in the terminal (View). Returns one RequestOutput per
+        prompt, in order."""
         request_ids = self.add_requests(prompts, params)
-        self._run(request_ids)
+        self._run(request_ids, live)
         return [self._output(self.requests.pop(r)) for r in request_ids]
 
-    def beam_search(self, prompts, params):
+    def beam_search(self, prompts, params, live=False):
         """Keep the beam_width most likely continuations of each prompt (section 6). Returns one
         BeamSearchOutput per prompt, its sequences best first."""
         request_ids = self.add_requests(prompts, params, kind=BeamSearchParams)
-        self._run(request_ids)
+        self._run(request_ids, live)
         outputs = [beam_output(self.requests.pop(r), self._detokenize) for r in request_ids]
         # an eos ends a hypothesis without joining a beam: it counts only if it is returned
         eos_ended = [s for o in outputs for s in o.sequences if s.finish_reason == "stop"]
         self.num_generated_tokens += len(eos_ended)
         return outputs
 
-    def _run(self, request_ids):
-        """Step until these requests finish. If a step raises, they are dropped with all their
-        blocks (the engine keeps serving the others) and the error goes on."""
+    def _run(self, request_ids, live=False):
+        """Step until these requests finish (watched, if live). If a step raises, they are
+        dropped with all their blocks (the engine keeps serving the others); the error goes on."""
+        requests = [self.requests[r] for r in request_ids]
         try:
-            while any(self.requests[r].status is not RequestStatus.FINISHED for r in request_ids):
-                self.step()
+            with View(self) if live else contextlib.nullcontext():
+                while any(r.status is not RequestStatus.FINISHED for r in requests):
+                    self.step()
         except BaseException:
             for r in request_ids:
                 self.scheduler.abort(self.requests.pop(r))
@@ -1360,47 +1366,292 @@ def beam_output(request, detokenize):
     return BeamSearchOutput(request.request_id, request.prompt_token_ids, sequences)
 
 # ----------------------------------------------------------------------------------------------
-# 7. Command line
+# 7. The live view: the pool, the block tables, the metrics and the story, after every step
+#    (rich is imported here only; skip this section on a first reading)
 
-PROMPTS = ["The capital of France is", "Write a haiku about memory:", "def fibonacci(n):",
-           "Paging splits the KV cache into blocks because"]
+HOLDER_COLOURS = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "orange3"]
+
+class View:
+    """Draws the engine after every step, as an LLM.on_step callback: the device pool, one cell
+    per block with its ref_count in the colour of the request holding it (bold: shared; white:
+    held by several requests), cached blocks as ·, free ones as .; the CPU pool beside it; one row
+    per sequence with its block table (* marks a shared block); the metrics; the last events in
+    plain words. live: redraw in place; else print a plain snapshot per step (the trace).
+
+        with View(llm):                 # or llm.generate(prompts, params, live=True)
+            llm.generate(prompts, params)
+    """
+
+    def __init__(self, llm, live=True, console=None, delay=0.0, svg=None):
+        from rich.console import Console
+        self.llm = llm
+        self.live = live
+        # a trace is plain text of a fixed width, so that runs with the same seed print the same
+        self.console = console or (Console(highlight=False) if live else
+                                   Console(highlight=False, color_system=None, width=80))
+        self.delay = delay
+        self.svg = svg
+        self.events = deque(maxlen=5)   # the last story events (debug kinds are not shown)
+        self.busiest = (-1, None)       # (blocks in use, frame): the frame an SVG keeps
+        self.draw_seconds = 0.0         # time spent drawing: the view's own cost
+        self.tick = (time.perf_counter(), 0)   # (time, generated tokens) at the last step
+        self.tokens_per_second = 0.0
+        self.rich_live = None
+
+    def __enter__(self):
+        self.llm.on_step.append(self)
+        if self.live:
+            from rich.live import Live
+            self.rich_live = Live(console=self.console, auto_refresh=False)
+            self.rich_live.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.llm.on_step.remove(self)
+        if self.rich_live is not None:
+            self.rich_live.stop()   # the terminal is the user's again, after Ctrl-C too
+        if self.svg and self.busiest[1] is not None:
+            import io
+            from rich.console import Console
+            recorder = Console(record=True, width=self.console.width, file=io.StringIO())
+            recorder.print(self.busiest[1])
+            recorder.save_svg(self.svg, title="nanopaged")
+
+    def __call__(self, report):
+        t0 = time.perf_counter()
+        generated = report.stats["num_generated_tokens"]
+        last_time, last_generated = self.tick
+        self.tokens_per_second = (generated - last_generated) / max(t0 - last_time, 1e-9)
+        story = [e for e in report.events if e.kind not in DEBUG_KINDS]
+        self.events.extend(story)
+        frame = self.frame(report, self.events if self.live else story)
+        used = self.llm.block_manager.num_used_blocks()
+        if used > self.busiest[0]:
+            self.busiest = (used, frame)
+        if self.rich_live is not None:
+            self.rich_live.update(frame, refresh=True)
+        else:
+            self.console.rule(f"step {report.step}", characters="-")
+            self.console.print(frame)
+        self.draw_seconds += time.perf_counter() - t0
+        time.sleep(self.delay)
+        self.tick = (time.perf_counter(), generated)
+
+    def frame(self, report, events):
+        """The engine as it is now, as rich text: the report's step and metrics, the pools, the
+        sequences, the given events."""
+        from rich.console import Group
+        from rich.text import Text
+        width = self.console.width
+        # in a terminal the frame fits its height: pools and sequences fold when there are many
+        height = self.console.height if self.live else 200
+        lines = [Text(self.metrics(report))] + self.pools(width, max(2, (height - 12) // 3))
+        lines += self.sequences(width, max(3, height - 10 - len(lines)))
+        lines += [Text(f"{e.step:>5}  {e.words()}"[:width if self.live else None])
+                  for e in events]   # a trace wraps long events; a live frame keeps its height
+        return Group(*lines)
+
+    def metrics(self, report):
+        """Two lines: the pool's fill, then what the memory system did so far."""
+        s = report.stats
+        bm = self.llm.block_manager
+        first = (f"step {report.step} | usage {s['kv_cache_usage_perc']:.0%} "
+                 f"({bm.num_used_blocks()}/{bm.num_blocks} blocks) | occupancy "
+                 f"{s['token_occupancy_perc']:.0%} | hit rate {s['prefix_cache_hit_rate']:.0%}")
+        second = (f"preemptions {s['num_preemptions']} | swapped out {s['num_swapped_out_blocks']}"
+                  f" in {s['num_swapped_in_blocks']} | copies {s['num_cow_copies']} | "
+                  f"evictions {s['num_evictions']}")
+        if self.live:   # a timing: left out of traces, which repeat exactly
+            second += f" | {self.tokens_per_second:.1f} tok/s"
+        return first + "\n" + second
+
+    def _holders(self, seqs):   # block id -> ids of the requests whose tables hold it
+        holders = {}
+        for seq in seqs:
+            for block_id in seq.block_table:
+                holders.setdefault(block_id, set()).add(seq.request_id)
+        return holders
+
+    def _cells(self, blocks, holders, per_cell):
+        """One character per block: its ref_count (+ from 10), · cached, . free; or, folded, one
+        per per_cell blocks: █ all used, ▒ some used, · some cached, . all free."""
+        from rich.text import Text
+        cells = Text()
+        for i in range(0, len(blocks), per_cell):
+            group = blocks[i:i + per_cell]
+            used = [b for b in group if b.ref_count]
+            if per_cell > 1:
+                char = "█" if len(used) == len(group) else "▒" if used else "."
+                char = "·" if not used and any(b.hash is not None for b in group) else char
+                cells.append(char, "bold" if used else "dim")
+            elif used:
+                b = used[0]
+                requests = holders.get(b.block_id, ())
+                owner = min(requests, default=0)
+                colour = "white" if len(requests) > 1 else HOLDER_COLOURS[owner % 8]
+                cells.append(str(b.ref_count) if b.ref_count < 10 else "+",
+                             f"bold {colour}" if b.ref_count > 1 else colour)
+            else:
+                cells.append("·" if group[0].hash is not None else ".", "dim")
+        return cells
+
+    def pools(self, width, max_rows):
+        """The device pool and, beside it, the CPU pool: rows of cells, each row led by the id of
+        its first block."""
+        from rich.text import Text
+        bm = self.llm.block_manager
+        cpu_cols = 16 if bm.num_cpu_blocks else 0
+        cols = 64 if width >= 110 + cpu_cols else 32
+        pools = [(bm.blocks, self._holders(bm.seqs.values()), cols)]
+        if cpu_cols:
+            pools.append((bm.cpu_blocks, self._holders(bm.swapped_seqs.values()), cpu_cols))
+        columns = []
+        for blocks, holders, n in pools:
+            per_cell = max(1, math.ceil(len(blocks) / (n * max_rows)))
+            cells = self._cells(blocks, holders, per_cell)
+            rows = [Text(f"{i * n * per_cell:>5} ") + cells[i * n:(i + 1) * n]
+                    for i in range(math.ceil(len(cells) / n))]
+            folded = f", {per_cell} blocks a cell" if per_cell > 1 else ""
+            columns.append((n + 6, rows, folded))
+        title = Text(f"{'device pool' + columns[0][2]:<{columns[0][0]}}")
+        if cpu_cols:
+            title += Text(f"    cpu pool{columns[1][2]}")
+        lines = [title]
+        for i in range(max(len(rows) for _, rows, _ in columns)):
+            line = Text()
+            for j, (col_width, rows, _) in enumerate(columns):
+                part = rows[i] if i < len(rows) else Text()
+                line += Text("  │ " if j else "") + part + Text(" " * (col_width - len(part)))
+            lines.append(line)
+        legend = "digits: ref_count (bold: shared)   ·: cached   .: free"
+        return lines + [Text(legend, "dim")]
+
+    def sequences(self, width, max_rows):
+        """One row per live sequence: id, request, state, block table, fill of its last block, the
+        tail of its text. Swapped-out tables hold CPU block ids."""
+        from rich.text import Text
+        bm = self.llm.block_manager
+        sched = self.llm.scheduler
+        requests = list(sched.running) + list(sched.swapped) + list(sched.waiting)
+        rows = [(r, s) for r in requests for s in r.seqs]
+        lines = [Text("  seq  req  state    block table (*: shared)   last block  text", "bold")]
+        for request, seq in rows[:max_rows]:
+            pool = bm.cpu_blocks if request.status is RequestStatus.SWAPPED else bm.blocks
+            ids = [f"{b}*" if pool[b].ref_count > 1 else f"{b}" for b in seq.block_table]
+            if len(ids) > 8:   # long tables: the first blocks, the last, and how many in all
+                ids = ids[:3] + [f"...{len(ids)}..."] + ids[-3:]
+            stored = seq.num_computed_tokens - bm.block_size * (len(seq.block_table) - 1)
+            fill = min(bm.block_size, max(0, stored)) if seq.block_table else 0   # K/V in it
+            tail = self.llm._detokenize(seq.token_ids[-10:]) or repr(seq.token_ids[-6:])
+            line = (f"{seq.seq_id:>5} {request.request_id:>4}  {request.status.value:<8} "
+                    f"{'[' + ' '.join(ids) + ']':<26} {fill:>3}/{bm.block_size:<4}  ")
+            lines.append(Text(line + tail.replace("\n", " ")[:max(0, width - len(line))]))
+        if len(rows) > max_rows:
+            lines.append(Text(f"  ... and {len(rows) - max_rows} more sequences", "dim"))
+        return lines
+
+# ----------------------------------------------------------------------------------------------
+# 8. Command line: demos that provoke each mechanism, watched live or traced
+
+SYSTEM = "You are a helpful assistant. Answer in one short sentence.\n"
+QUESTIONS = ["What is a cache?", "Why is the sky blue?", "What is a prime number?",
+             "Name a planet.", "What does a scheduler do?"]
+# name: (what it shows, engine arguments); every demo uses block_size 4, so that blocks are few
+# tokens and a screen shows them all
+DEMOS = {
+    "mix": ("all of the below in one small pool (the default)",
+            dict(num_blocks=24, num_cpu_blocks=12, preemption_mode="swap")),
+    "prefix": ("a system prompt computed once, found in the prefix cache by later requests",
+               dict(num_blocks=64)),
+    "fork": ("n=4 samples share their prompt's blocks; the last block is copied on write",
+             dict(num_blocks=48)),
+    "beam": ("beam search, width 3: beams fork and die on shared blocks", dict(num_blocks=64)),
+    "preempt": ("five requests in a small pool: swapped out, recomputed when the CPU pool is full",
+                dict(num_blocks=36, num_cpu_blocks=14, preemption_mode="swap")),
+    "evict": ("finished requests' blocks stay cached until new prompts evict them, oldest first",
+              dict(num_blocks=12)),
+}
+
+def demo_waves(name, text):
+    """The demo's requests as waves [(prompts, params)], run one after the other: a later wave
+    finds what earlier ones left in the cache. text(s) makes a prompt for the engine's model.
+    Outputs run to max_tokens (ignore_eos), so that every run of a demo fills the same blocks."""
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    longer = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    samples = SamplingParams(temperature=0.8, n=4, max_tokens=10, ignore_eos=True, seed=0)
+    beams = BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True)
+    ask = [text(SYSTEM + q) for q in QUESTIONS]
+    return {
+        "mix": [(ask[:1], samples), (ask[1:], longer), ([text(QUESTIONS[0])], beams)],
+        "prefix": [(ask[:1], greedy), (ask[1:3], greedy)],
+        "fork": [([text("Write a haiku about memory:")], samples)],
+        "beam": [([text("The capital of France is")], beams)],
+        "preempt": [(ask, longer)],
+        "evict": [([prompt], greedy) for prompt in ask[:4] + ask[3:4]],
+    }[name]
+
+def demo_text(llm):
+    """How a demo's text becomes a prompt: the text itself, or with random weights (no
+    tokenizer) one made-up token id per word, so that prompts are as long as real ones."""
+    if llm.tokenizer is not None:
+        return lambda s: s
+    return lambda s: [sum(w.encode()) % llm.model.config.vocab_size for w in s.split()]
+
+def run_demo(llm, name, live=False, trace=False, delay=0.0, svg=None):
+    """Run a demo's waves through llm, watched (live), traced (a snapshot per step) or neither;
+    print every output. Returns the view's share of the run's time (0 without a view)."""
+    view = View(llm, live=live, delay=delay, svg=svg) if live or trace or svg else None
+    t0 = time.perf_counter()
+    with view or contextlib.nullcontext():
+        outputs = []
+        for prompts, params in demo_waves(name, demo_text(llm)):
+            if isinstance(params, BeamSearchParams):
+                outputs += [(o.request_id, s.text or s.token_ids, f"score {s.score:.3f}")
+                            for o in llm.beam_search(prompts, params) for s in o.sequences]
+            else:
+                outputs += [(o.request_id, c.text or c.token_ids, c.finish_reason)
+                            for o in llm.generate(prompts, params) for c in o.outputs]
+    for request_id, text_or_ids, how in outputs:
+        print(f"[{request_id}] {text_or_ids!r}  ({how})")
+    return view.draw_seconds / (time.perf_counter() - t0) if view else 0.0
 
 def main():
-    p = argparse.ArgumentParser(description="nanopaged: generate through a paged KV cache")
+    p = argparse.ArgumentParser(
+        description="nanopaged: run a demo through a paged KV cache and watch its blocks",
+        epilog="demos: " + "; ".join(f"{name}: {what}" for name, (what, _) in DEMOS.items()))
+    p.add_argument("--demo", default="mix", choices=DEMOS, help="which demo to run (see below)")
+    p.add_argument("--live", action="store_true", help="redraw the pool and tables every step")
+    p.add_argument("--trace", action="store_true", help="print a plain snapshot every step")
+    p.add_argument("--svg", default=None, help="save the view of the busiest step to this file")
+    p.add_argument("--delay", type=float, default=0.0, help="seconds to pause after each step")
     p.add_argument("--model", default=None,
                    help="None: SmolLM2-135M-Instruct; a local directory; random:<preset>")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    p.add_argument("--num-blocks", type=int, default=None,
-                   help="blocks in the pool (default: from a memory budget)")
-    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
-    p.add_argument("--n", type=int, default=1, help="samples per prompt (they share its blocks)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--beam-width", type=int, default=0, help="beam search of this width")
-    p.add_argument("--num-cpu-blocks", type=int, default=0, help="blocks in the CPU swap pool")
-    p.add_argument("--preemption-mode", default="auto", choices=["recompute", "swap", "auto"],
-                   help="what to do with the newest request when blocks run out")
+    p.add_argument("--block-size", type=int, default=4, help="tokens per KV cache block")
+    p.add_argument("--num-blocks", type=int, help="blocks in the pool (default: the demo's)")
+    p.add_argument("--num-cpu-blocks", type=int, help="blocks in the CPU swap pool")
+    p.add_argument("--preemption-mode", choices=["recompute", "swap", "auto"],
+                   help="what the newest request does when blocks run out")
+    p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    p.add_argument("--max-num-batched-tokens", type=int, help="tokens a step computes at most")
     p.add_argument("--debug-blocks", action="store_true",
                    help="log every ref-count change, allocation, copy, eviction and swap to stderr")
     args = p.parse_args()
-    llm = LLM(args.model, device=args.device, block_size=args.block_size,
-              num_blocks=args.num_blocks, num_cpu_blocks=args.num_cpu_blocks,
-              preemption_mode=args.preemption_mode, debug_blocks=args.debug_blocks)
-    prompts = PROMPTS
-    if llm.tokenizer is None:   # random weights: made-up token ids
-        prompts = [[1 + i] * (5 + 3 * i) for i in range(len(PROMPTS))]
-    if args.beam_width:
-        for out in llm.beam_search(prompts, BeamSearchParams(args.beam_width, args.max_tokens)):
-            for i, b in enumerate(out.sequences):
-                print(f"[{out.request_id}.{i}] {b.text or b.token_ids!r}  (score {b.score:.3f})")
-    else:
-        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, n=args.n)
-        for out in llm.generate(prompts, params):
-            for c in out.outputs:
-                text = c.text or c.token_ids
-                print(f"[{out.request_id}.{c.index}] {text!r}  ({c.finish_reason})")
+    kwargs = dict(DEMOS[args.demo][1], block_size=args.block_size, debug_blocks=args.debug_blocks,
+                  enable_prefix_caching=not args.no_prefix_caching)
+    for name in ("num_blocks", "num_cpu_blocks", "preemption_mode", "max_num_batched_tokens"):
+        if getattr(args, name) is not None:
+            kwargs[name] = getattr(args, name)
+    llm = LLM(args.model, device=args.device, **kwargs)
+    try:
+        share = run_demo(llm, args.demo, args.live, args.trace, args.delay, args.svg)
+    except KeyboardInterrupt:   # Ctrl-C: the view has given the terminal back
+        print(f"interrupted after step {llm.num_steps}")
+        sys.exit(130)
     for k, v in llm.stats().items():
         print(f"{k:28} {v:.3f}" if isinstance(v, float) else f"{k:28} {v}")
+    if args.live:
+        print(f"the view took {share:.1%} of the run's time")
 
 if __name__ == "__main__":
     main()
