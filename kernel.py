@@ -12,9 +12,10 @@ of its context_lens[i] tokens and attend causally to everything before them (q_l
 decode, a chunk for a prefill), with grouped-query attention (num_heads a multiple of
 num_kv_heads).
 
-Read it in order, as a Triton tutorial: the K/V write; the PyTorch reference (the oracle every
-faster version is held to); the Triton kernel, with a comment on every argument; its launcher
-(and the flash-decoding switch, num_kv_splits); dispatch; the check; the benchmark.
+Read it in order, as a Triton tutorial: the K/V write; the PyTorch reference (the CPU path, and
+the oracle the kernel is held to; the tests hold it to plain attention, one sequence at a time);
+the Triton kernel, with a comment on every argument; its launcher (and the flash-decoding switch,
+num_kv_splits); dispatch; the check; the benchmark.
 
     python kernel.py    checks the kernel against the reference over 36 shapes (CPU: interpreted,
                         float32; CUDA: compiled, bfloat16); on CUDA it also times decode against
@@ -37,30 +38,53 @@ def store_kvcache(k, v, k_cache, v_cache, slot_mapping):
     v_cache.view(-1, *v_cache.shape[-2:]).index_copy_(0, slot_mapping, v)
 
 # ----------------------------------------------------------------------------------------------
-# The reference: gather each sequence's context through its block table, then plain attention
+# The reference, and the CPU path: gather every context through its block table, then attention
+# for the whole step at once, in plain PyTorch
 
 def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale):
     """q and the result: (num_tokens, num_heads, head_dim);
     caches: (num_blocks, block_size, kv_heads, head_dim); block_tables: (num_seqs, max_blocks);
-    context_lens: (num_seqs,); query_start_loc: (num_seqs + 1,)."""
-    block_size = k_cache.shape[1]
-    group = q.shape[1] // k_cache.shape[2]   # query heads per K/V head
+    context_lens: (num_seqs,); query_start_loc: (num_seqs + 1,). The decodes (one new token each)
+    go in one batch and the prefill chunks in another: padding a decode's single query to the
+    longest chunk would multiply its work. Each batch is one gather and one masked attention."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    group = q.shape[1] // num_kv_heads                                  # query heads per K/V head
+    q_lens = query_start_loc.diff()                                     # (num_seqs,)
     out = torch.empty_like(q)
-    qsl = query_start_loc.tolist()
-    for i, (start, end, ctx) in enumerate(zip(qsl[:-1], qsl[1:], context_lens.tolist())):
-        q_len = end - start
-        blocks = block_tables[i, :(ctx + block_size - 1) // block_size].long()
-        # the gather is where paging shows: logical block j of this sequence is physical blocks[j]
-        k = k_cache[blocks].flatten(0, 1)[:ctx]                       # (ctx, kv_heads, head_dim)
-        v = v_cache[blocks].flatten(0, 1)[:ctx]
-        k = k.repeat_interleave(group, 1).transpose(0, 1).float()    # (heads, ctx, head_dim)
-        v = v.repeat_interleave(group, 1).transpose(0, 1).float()
-        qi = q[start:end].transpose(0, 1).float()                    # (heads, q_len, head_dim)
-        scores = qi @ k.transpose(1, 2) * scale                      # (heads, q_len, ctx)
-        # causal: new token j sits at position ctx - q_len + j and sees keys 0 .. that position
-        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
-        scores.masked_fill_(torch.arange(ctx, device=q.device)[None, :] > q_pos, float("-inf"))
-        out[start:end] = (scores.softmax(dim=-1) @ v).transpose(0, 1).to(q.dtype)
+    for members in (q_lens == 1, q_lens > 1):   # (num_seqs,) bool: the decodes, the chunks
+        if not members.any():
+            continue
+        starts = query_start_loc[:-1][members]                  # (seqs,) of this batch
+        lens = q_lens[members]
+        ctx = context_lens[members]
+        max_q = int(lens.max())
+        max_ctx = int(ctx.max())
+        tables = block_tables[members, :(max_ctx + block_size - 1) // block_size].long()
+        # 1. the gather is where paging shows: logical block j of a sequence is physical
+        #    tables[j]; each context comes out in order, padded to the longest
+        n = len(lens)
+        k = k_cache.index_select(0, tables.flatten()).view(n, -1, num_kv_heads, head_dim)
+        v = v_cache.index_select(0, tables.flatten()).view(n, -1, num_kv_heads, head_dim)
+        k = k[:, :max_ctx]                                      # (seqs, max_ctx, kv_heads, dim)
+        v = v[:, :max_ctx]
+        # 2. each sequence's new tokens as rows 0 .. q_len - 1 (padding rows repeat a token)
+        j = torch.arange(max_q, device=q.device)
+        rows = (starts[:, None] + j).clamp(max=len(q) - 1)      # (seqs, max_q) indices into q
+        # causal: row j sits at position ctx - q_len + j and sees keys 0 .. that position
+        q_pos = (ctx - lens)[:, None] + j                       # (seqs, max_q)
+        mask = torch.arange(max_ctx, device=q.device) <= q_pos[..., None]   # (seqs, max_q, ctx)
+        # 3. grouped-query attention as the kernel does it: the query heads that share a K/V
+        #    head are more rows of one attention over that head's K and V
+        qg = q.index_select(0, rows.flatten()).view(n, max_q, num_kv_heads, group, head_dim)
+        qg = qg.transpose(1, 2)                                 # (seqs, kv_heads, q, group, dim)
+        o = F.scaled_dot_product_attention(qg.flatten(2, 3),      # (seqs, kv_heads, q * group, dim)
+                                           k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=mask.repeat_interleave(group, 1)[:, None],
+                                           scale=scale)
+        o = o.view(n, num_kv_heads, max_q, group, head_dim).transpose(1, 2).flatten(2, 3)
+        # 4. back to the batch's flat order, without the padding rows
+        keep = j < lens[:, None]                                # (seqs, max_q)
+        out[rows[keep]] = o[keep]                               # o: (seqs, max_q, heads, dim)
     return out
 
 # ----------------------------------------------------------------------------------------------
