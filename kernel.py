@@ -32,8 +32,7 @@ import torch.nn.functional as F
 
 def store_kvcache(k, v, k_cache, v_cache, slot_mapping):
     """k, v: (num_tokens, kv_heads, head_dim); caches: (num_blocks, block_size, kv_heads, head_dim);
-    slot_mapping: (num_tokens,) int64, slot = block_id * block_size + offset. One indexed copy
-    each."""
+    slot_mapping: (num_tokens,) int64, slot = block_id * block_size + offset."""
     k_cache.view(-1, *k_cache.shape[-2:]).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, *v_cache.shape[-2:]).index_copy_(0, slot_mapping, v)
 
@@ -205,8 +204,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, quer
     out: where to write (tests fill it with NaN, so that an unwritten row shows)."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
-    if max_query_len is None:
-        max_query_len = int(query_start_loc.diff().max())
+    max_query_len = max_query_len or int(query_start_loc.diff().max())
     # tl.dot wants at least 16 rows: decodes (1 token) fill them with the group's heads
     group = num_heads // num_kv_heads
     group_p = next_pow2(group)
@@ -266,8 +264,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
         raise ValueError("NANOPAGED_ATTENTION=triton on CPU tensors needs TRITON_INTERPRET=1")
     splits = 1
     if q.is_cuda:
-        if max_context_len is None:
-            max_context_len = int(context_lens.max())
+        max_context_len = max_context_len or int(context_lens.max())
         splits = num_kv_splits_for(len(block_tables), k_cache.shape[2], max_context_len,
                                    num_sms(q.device))
     return paged_attention_triton(*args, max_query_len, splits)

@@ -147,9 +147,8 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        dims = torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim
-        inv_freq = 1.0 / cfg.rope_theta ** dims
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (head_dim / 2,)
+        dims = torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim  # (head_dim/2,)
+        self.register_buffer("inv_freq", 1.0 / cfg.rope_theta ** dims, persistent=False)
 
     @torch.inference_mode()
     def forward(self, batch: Batch, kv_cache: torch.Tensor) -> torch.Tensor:

@@ -55,9 +55,14 @@ def is_int(x):
 def is_number(x):   # a finite int or float
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
-def check_seed(seed, name="seed"):
-    require(is_int(seed) and 0 <= seed < 2**63,
-            f"{name} must be an int in [0, 2**63), got {seed!r}")
+def require_int(name, x, low, note=""):   # a ValueError naming the parameter and its bound
+    require(is_int(x) and x >= low, f"{name} must be an int >= {low}{note}, got {x!r}")
+
+def require_bool(name, x):
+    require(isinstance(x, bool), f"{name} must be a bool, got {x!r}")
+
+def check_seed(seed):
+    require(is_int(seed) and 0 <= seed < 2**63, f"seed must be an int in [0, 2**63), got {seed!r}")
 
 MIN_TEMPERATURE = 0.01   # logits / temperature overflow float32 near 1e-38; 0 means greedy
 MIN_TOP_P = 1e-6         # top_p is compared with float32 probabilities, where 1e-300 is 0
@@ -78,13 +83,10 @@ class SamplingParams:
                 f"temperature must be 0 (greedy) or a number >= {MIN_TEMPERATURE}, got {t!r}")
         require(is_number(self.top_p) and MIN_TOP_P <= self.top_p <= 1,
                 f"top_p must be a number in (0, 1], at least {MIN_TOP_P}, got {self.top_p!r}")
-        require(is_int(self.top_k) and self.top_k >= 0,
-                f"top_k must be an int >= 0 (0 keeps every token), got {self.top_k!r}")
-        require(is_int(self.max_tokens) and self.max_tokens >= 1,
-                f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        require(is_int(self.n) and self.n >= 1, f"n must be an int >= 1, got {self.n!r}")
-        require(isinstance(self.ignore_eos, bool),
-                f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        require_int("top_k", self.top_k, 0, " (0 keeps every token)")
+        require_int("max_tokens", self.max_tokens, 1)
+        require_int("n", self.n, 1)
+        require_bool("ignore_eos", self.ignore_eos)
         if self.seed is not None:
             check_seed(self.seed)
 
@@ -96,14 +98,11 @@ class BeamSearchParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        require(is_int(self.beam_width) and self.beam_width >= 1,
-                f"beam_width must be an int >= 1, got {self.beam_width!r}")
-        require(is_int(self.max_tokens) and self.max_tokens >= 1,
-                f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        require_int("beam_width", self.beam_width, 1)
+        require_int("max_tokens", self.max_tokens, 1)
         require(is_number(self.length_penalty),
                 f"length_penalty must be a finite number, got {self.length_penalty!r}")
-        require(isinstance(self.ignore_eos, bool),
-                f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        require_bool("ignore_eos", self.ignore_eos)
 
     @property
     def n(self):   # the most sequences the request holds at once: what _validate sizes the pool by
@@ -120,8 +119,7 @@ class Sequence:
         self.index = index               # which sample of its request (CompletionOutput.index)
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(self.token_ids)
-        self.num_computed_tokens = 0     # tokens whose K/V are in the cache, or (waits_for) will be
-                                         # once its leader has computed them
+        self.num_computed_tokens = 0     # tokens with K/V in the cache, or due from waits_for
         self.num_cached_tokens = 0       # of those, found in the prefix cache at the last allocate
         self.block_table = []            # physical block ids: token i is in block_table[i // bs]
         self.block_hashes = []           # hash chain over its full blocks (BlockManager)
@@ -154,8 +152,7 @@ class RequestStatus(Enum):
 
 class Request:
     """One prompt and its params: the unit the scheduler admits, preempts and swaps, always whole
-    (all its samples or beams at once). It starts as one sequence; n>1 samples fork from it at the
-    first token, beams fork every round."""
+    (all its samples or beams). It starts as one sequence; n>1 samples fork at the first token."""
 
     def __init__(self, request_id, token_ids, params, seed):
         self.request_id = request_id
@@ -185,9 +182,7 @@ class Request:
     def max_num_running_seqs(self):
         """What the request counts against max_num_seqs: n (or beam_width) from its admission on,
         so that its forks always fit; once its samples have forked, the ones still live."""
-        if self.is_beam_search or not self.forked:
-            return self.params.n
-        return len(self.seqs)
+        return self.params.n if self.is_beam_search or not self.forked else len(self.seqs)
 
 # ----------------------------------------------------------------------------------------------
 # 2. The block pool
@@ -195,10 +190,8 @@ class Request:
 def check_pool_args(num_blocks, block_size, num_cpu_blocks):
     require(is_int(block_size) and block_size >= 1 and not block_size & (block_size - 1),
             f"block_size must be a positive power of two (1, 2, 4, ... 16 ...), got {block_size!r}")
-    require(is_int(num_blocks) and num_blocks >= 1,
-            f"num_blocks must be an int >= 1, got {num_blocks!r}")
-    require(is_int(num_cpu_blocks) and num_cpu_blocks >= 0,
-            f"num_cpu_blocks must be an int >= 0, got {num_cpu_blocks!r}")
+    require_int("num_blocks", num_blocks, 1)
+    require_int("num_cpu_blocks", num_cpu_blocks, 0)
 
 @dataclass
 class Block:
@@ -215,12 +208,11 @@ class Block:
     parent_entry: int | None = None   # the entry of the block before it (None: the first block)
 
 class BlockManager:
-    """Hands out blocks of the KV cache pool. Three kinds of block at any moment:
-    used (ref_count > 0), cached (ref_count 0 but registered in the prefix cache: its K/V may be
-    reused until it is evicted) and free. Allocate and free are O(1). An optional CPU pool of the
-    same block shape holds swapped-out requests. Whoever writes a sequence's K/V (the engine)
-    then sets seq.num_computed_tokens and calls cache_full_blocks(seq): only registered blocks
-    are found by later prompts."""
+    """Hands out blocks of the KV cache pool. Three kinds of block at any moment: used (ref_count
+    > 0), cached (ref_count 0 but registered in the prefix cache: its K/V may be reused until it
+    is evicted) and free. Allocate and free are O(1). An optional CPU pool of the same block shape
+    holds swapped-out requests. The engine, having written K/V, sets seq.num_computed_tokens and
+    calls cache_full_blocks(seq): only registered blocks are found by later prompts."""
 
     def __init__(self, num_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=True,
                  events=None):
@@ -233,9 +225,9 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids = deque(range(num_blocks))   # truly free: nothing worth keeping inside
         self.cached_block_ids = OrderedDict()            # ref_count 0, registered; LRU order
-        # the prefix cache: chain hash -> registered block ids, as an ordered set: more than one
-        # when a prefix was computed twice (two requests in one step, a swap-in, siblings
-        # recomputed apart) or when hashes collide
+        # the prefix cache: chain hash -> registered block ids, an ordered set: several when a
+        # prefix was computed twice (in one step, by a swap-in, by siblings recomputed apart) or
+        # when hashes collide
         self.hash_to_block_ids = {}
         self.entries = itertools.count()                 # numbers the prefix cache's registrations
         self.seqs = {}                                   # seq_id -> Sequence holding device blocks
@@ -261,9 +253,7 @@ class BlockManager:
     def compute_hash(parent_hash, token_ids):
         # the first block hashes its tokens alone, not (None, *tokens): before Python 3.12
         # hash(None) changes from run to run; tuples of ints hash the same every run
-        if parent_hash is None:
-            return hash(tuple(token_ids))
-        return hash((parent_hash, *token_ids))
+        return hash(tuple(token_ids) if parent_hash is None else (parent_hash, *token_ids))
 
     def _tokens(self, seq, i):
         return tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
@@ -276,17 +266,13 @@ class BlockManager:
             seq.block_hashes.append(self.compute_hash(parent_hash, self._tokens(seq, j)))
         return seq.block_hashes[i]
 
-    def _num_hittable_blocks(self, seq):
-        # the last token is always computed (its logits are needed): its block cannot hit
-        return (len(seq) - 1) // self.block_size if self.enable_prefix_caching else 0
-
     def _cache_hits(self, seq):
-        """The longest chain of registered blocks holding seq's prefix. A block matches block i
-        when it holds the same tokens and was registered after a block matching block i-1. Two
-        requests that computed one prefix in the same step registered it twice, as two chains
-        with their own entries: every matching chain is followed, the longest wins."""
+        """The longest chain of registered blocks holding seq's prefix (what matches: Block). A
+        prefix two requests computed in one step is two chains: each is tried, the longest wins."""
         chains = {None: []}   # entry of a matching chain's last block -> that chain
-        for i in range(self._num_hittable_blocks(seq)):
+        # the last token is always computed (its logits are needed): its block cannot hit
+        num_hittable = (len(seq) - 1) // self.block_size if self.enable_prefix_caching else 0
+        for i in range(num_hittable):
             tokens = self._tokens(seq, i)
             longer = {}
             for block_id in self.hash_to_block_ids.get(self._block_hash(seq, i), ()):
@@ -348,17 +334,14 @@ class BlockManager:
         """Blocks seq shares with leader, a sibling allocated first: the leading blocks that hold
         the same tokens in both, before the block of either one's last token (its writer's own)."""
         limit = (min(len(seq), len(leader)) - 1) // self.block_size
-        for i in range(limit):
-            if self._tokens(leader, i) != self._tokens(seq, i):
-                return i
-        return limit
+        differ = (i for i in range(limit) if self._tokens(leader, i) != self._tokens(seq, i))
+        return next(differ, limit)
 
     def can_allocate(self, seq, watermark=0, siblings=()):
         """Would allocate(seq), then allocate(s, leader=seq) for each sibling, leave `watermark`
-        blocks free? Hits on cached (unheld) blocks take them out of the free count too; hits on
-        held blocks cost nothing."""
-        hits_on_held = sum(1 for b in self._cache_hits(seq) if b.ref_count > 0)
-        need = self._num_blocks_for(len(seq)) - hits_on_held
+        blocks free? A hit on a cached (unheld) block takes it from the free count; on a held one,
+        it costs nothing."""
+        need = self._num_blocks_for(len(seq)) - sum(b.ref_count > 0 for b in self._cache_hits(seq))
         for s in siblings:
             need += self._num_blocks_for(len(s)) - self._num_shared(seq, s)
         return self.num_free_blocks - need >= watermark
@@ -372,22 +355,20 @@ class BlockManager:
         assert not seq.block_table, f"seq {seq.seq_id} already holds blocks"
         if leader is None:
             shared = self._cache_hits(seq)
-            seq.num_cached_tokens = len(shared) * self.block_size
         else:
             shared = [self.blocks[b] for b in leader.block_table[:self._num_shared(leader, seq)]]
-            seq.num_cached_tokens = 0
         for block in shared:
             self._hold(block, seq)
         seq.block_table = [b.block_id for b in shared]
         for _ in range(self._num_blocks_for(len(seq)) - len(shared)):
             seq.block_table.append(self._take_free_block(seq))
         seq.num_computed_tokens = len(shared) * self.block_size
+        seq.num_cached_tokens = seq.num_computed_tokens if leader is None else 0
+        held = [b.block_id for b in shared]
         if leader is not None:   # the request's fork, made again
-            self.events.record("fork", [seq.seq_id], seq.block_table[:len(shared)],
-                               note=leader.seq_id)
+            self.events.record("fork", [seq.seq_id], held, note=leader.seq_id)
         elif shared:
-            self.events.record("prefix hit", [seq.seq_id], seq.block_table[:len(shared)],
-                               note=seq.num_cached_tokens)
+            self.events.record("prefix hit", [seq.seq_id], held, note=seq.num_cached_tokens)
         if self.enable_prefix_caching and leader is None:
             self.prefix_cache_queries += len(seq)
             self.prefix_cache_hits += seq.num_cached_tokens
@@ -403,8 +384,7 @@ class BlockManager:
 
     def can_append(self, seq):
         """Can append_slot(seq) get the block it needs (a new one, or a copy of a shared one)?"""
-        needs_block = self._needs_new_block(seq) or self._needs_copy(seq)
-        return self.num_free_blocks >= 1 or not needs_block
+        return self.num_free_blocks > 0 or not (self._needs_new_block(seq) or self._needs_copy(seq))
 
     def append_slot(self, seq):
         """Make sure the slot of seq's last token exists and may be written. Returns (src, dst)
@@ -433,9 +413,8 @@ class BlockManager:
         self.events.record("fork", [child.seq_id], parent.block_table, note=parent.seq_id)
 
     def free(self, seq):
-        """Drop seq's hold on its blocks, tail first: the tail is freed earlier, so evicted before
-        the prefix, which other requests are likelier to share. (A swapped-out seq gives back
-        CPU blocks.)"""
+        """Drop seq's hold on its blocks (CPU blocks, if swapped out), tail first: the tail is then
+        evicted before the prefix, which other requests are likelier to share."""
         if self.swapped_seqs.pop(seq.seq_id, None) is not None:
             for cpu_id in seq.block_table:
                 self._release_cpu(cpu_id)
@@ -456,10 +435,9 @@ class BlockManager:
             start -= 1
         for i in range(start, end):
             block = self.blocks[seq.block_table[i]]
-            parent = self.blocks[seq.block_table[i - 1]] if i else None
             block.hash = self._block_hash(seq, i)
             block.entry = next(self.entries)
-            block.parent_entry = parent.entry if parent else None
+            block.parent_entry = self.blocks[seq.block_table[i - 1]].entry if i else None
             block.token_ids = self._tokens(seq, i)
             self.hash_to_block_ids.setdefault(block.hash, {})[block.block_id] = None
             self.events.record("register", [seq.seq_id], [block.block_id], note=block.entry)
@@ -479,8 +457,7 @@ class BlockManager:
         mapping = {}   # device block id -> cpu block id
         seqs = self._request(self.seqs, seq.request_id)
         for s in seqs:
-            for i in reversed(range(len(s.block_table))):   # tail first, as free() does
-                block_id = s.block_table[i]
+            for i, block_id in reversed(list(enumerate(s.block_table))):   # tail first, as free()
                 if block_id not in mapping:
                     mapping[block_id] = self.free_cpu_block_ids.popleft()
                 self.cpu_blocks[mapping[block_id]].ref_count += 1
@@ -527,29 +504,25 @@ class BlockManager:
     # -- the rules, checked
 
     def check_invariants(self):
-        """Raises AssertionError naming the broken rule: ref_count, partition, cached, free,
-        hash map, block table."""
+        """Raises AssertionError naming the broken rule: ref_count, partition, cached, free, hash
+        map, block table."""
         pools = (("device", self.blocks, self.seqs), ("cpu", self.cpu_blocks, self.swapped_seqs))
         for pool, blocks, seqs in pools:
             holders = Counter(b for seq in seqs.values() for b in seq.block_table)
-            for block in blocks:
-                assert block.ref_count == holders[block.block_id], \
-                    f"ref_count: {pool} block {block.block_id} has ref_count {block.ref_count}, " \
-                    f"{holders[block.block_id]} tables hold it"
+            wrong = [b.block_id for b in blocks if b.ref_count != holders[b.block_id]]
+            assert not wrong, f"ref_count: {pool} blocks {wrong}: not the number of tables holding"
         assert not set(self.seqs) & set(self.swapped_seqs), "partition: a seq is in both pools"
         cpu_free = Counter(self.free_cpu_block_ids)
         assert all(cpu_free[b.block_id] == (b.ref_count == 0) for b in self.cpu_blocks), \
             "partition: cpu free list"
-        free = set(self.free_block_ids)
-        cached = set(self.cached_block_ids)
-        used = {b.block_id for b in self.blocks if b.ref_count > 0}
-        assert len(free) == len(self.free_block_ids), "partition: a block is twice in the free pool"
-        assert not (free & cached) and not (free & used) and not (cached & used), \
-            f"partition: blocks in two states: free&cached {free & cached}, " \
-            f"free&used {free & used}, cached&used {cached & used}"
-        assert len(free) + len(cached) + len(used) == self.num_blocks, "partition: a block is lost"
-        assert all(self.blocks[b].hash is not None for b in cached), "cached: a block has no hash"
-        assert all(self.blocks[b].hash is None for b in free), "free: a block still has a hash"
+        used = [b.block_id for b in self.blocks if b.ref_count > 0]
+        states = Counter([*self.free_block_ids, *self.cached_block_ids, *used])
+        wrong = [b for b in range(self.num_blocks) if states[b] != 1]
+        assert not wrong, f"partition: blocks {wrong} are not in exactly one of free, cached, used"
+        assert all(self.blocks[b].hash is not None for b in self.cached_block_ids), \
+            "cached: a block has no hash"
+        assert all(self.blocks[b].hash is None for b in self.free_block_ids), \
+            "free: a block still has a hash"
         for h, bucket in self.hash_to_block_ids.items():
             assert bucket and all(self.blocks[b].hash == h for b in bucket), \
                 f"hash map: {h} lists another's block"
@@ -631,11 +604,9 @@ class PreemptionCost:
     swap_bytes_per_second: float
     seconds_per_token: float = 0.0   # 0 until the first step is measured
 
-    def observe_step(self, num_tokens, seconds):
-        if not self.seconds_per_token:
-            self.seconds_per_token = seconds / num_tokens
-        else:
-            self.seconds_per_token = 0.9 * self.seconds_per_token + 0.1 * seconds / num_tokens
+    def observe_step(self, num_tokens, seconds):   # a moving average, set by the first step
+        weight = 0.1 if self.seconds_per_token else 1.0
+        self.seconds_per_token += weight * (seconds / num_tokens - self.seconds_per_token)
 
     def swap_is_cheaper(self, num_tokens, num_blocks):
         swap_seconds = 2 * num_blocks * self.bytes_per_block / self.swap_bytes_per_second
@@ -643,11 +614,10 @@ class PreemptionCost:
 
 class Scheduler:
     """First come, first served continuous batching over requests. Each step, while the token
-    budget lasts: running sequences get their next token (or their next prefill chunk), oldest
-    request first; then swapped-out requests come back; then waiting requests are admitted while
-    max_num_seqs and free blocks allow. If a running sequence cannot get a block, the most
-    recently arrived running request is preempted: swapped to the CPU pool, or freed to be
-    recomputed, before any new request runs."""
+    budget lasts: running requests, oldest first, get their next token (or prefill chunk); then
+    swapped-out requests come back; then waiting ones are admitted while max_num_seqs and free
+    blocks allow. A running sequence that cannot get a block preempts the newest running request
+    (swapped to the CPU pool, or freed to be recomputed) before any new request runs."""
 
     def __init__(self, block_manager, max_num_seqs=256, max_num_batched_tokens=2048,
                  watermark=0.01, eos_token_ids=(), preemption_mode="auto", cost=None):
@@ -658,8 +628,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
         self.cost = cost
-        # admitting a prompt must leave this many blocks free, so that the next step's decodes
-        # do not have to preempt straight away
+        # admitting a prompt leaves this many blocks free, so the next decodes need not preempt
         self.watermark_blocks = int(watermark * block_manager.num_blocks)
         self.waiting = deque()     # requests, FCFS; requests preempted by recompute go in front
         self.running = []          # requests in arrival order (request_id)
@@ -688,9 +657,8 @@ class Scheduler:
         """Has seq tokens to compute, with the K/V it reads in place? A beam that waits for its
         siblings' log-probs has none; a sibling re-admitted sharing blocks waits for its leader."""
         leader = seq.waits_for
-        if leader is not None and leader.num_computed_tokens < seq.num_computed_tokens:
-            return False
-        return len(seq) > seq.num_computed_tokens
+        waiting = leader is not None and leader.num_computed_tokens < seq.num_computed_tokens
+        return not waiting and len(seq) > seq.num_computed_tokens
 
     def _schedule_seq(self, request, seq, batch):
         """seq's next token (or chunk) joins the batch, with the slot it writes."""
@@ -724,8 +692,7 @@ class Scheduler:
             if not self._fits(request) or not bm.can_swap_in(request.seqs[0], self._watermark()):
                 break
             self.swapped.pop(0)
-            for cpu, dev in bm.swap_in(request.seqs[0]):
-                batch.block_copies.append(("swap in", cpu, dev))
+            batch.block_copies += [("swap in", *pair) for pair in bm.swap_in(request.seqs[0])]
             self._start_running(request)
             for seq in request.seqs:
                 if self._ready(seq) and not batch.is_full:
@@ -733,10 +700,8 @@ class Scheduler:
         # 3. waiting requests in order, while nothing is swapped out and this step did not preempt
         while self.waiting and not self.swapped and not preempted and not batch.is_full:
             request = self.waiting[0]
-            leader = request.seqs[0]
-            if not self._fits(request):
-                break
-            if not bm.can_allocate(leader, self._watermark(), siblings=request.seqs[1:]):
+            seqs = request.seqs
+            if not self._fits(request) or not bm.can_allocate(seqs[0], self._watermark(), seqs[1:]):
                 break
             self.waiting.popleft()
             self._admit(request, batch)
@@ -758,14 +723,12 @@ class Scheduler:
                 batch.add(request, seq)
 
     def _choose_mode(self, request):
-        if self.preemption_mode == "recompute":
-            return "recompute"
-        if not self.block_manager.can_swap_out(request.seqs[0]):
-            return "recompute"   # a full CPU pool falls back to recompute
+        bm = self.block_manager
+        if self.preemption_mode == "recompute" or not bm.can_swap_out(request.seqs[0]):
+            return "recompute"   # (a full CPU pool falls back to recompute)
         if self.preemption_mode == "swap" or self.cost is None:
             return "swap"        # (auto with no cost measured, a Scheduler built by hand: swap)
         # what a recompute computes: the first sequence whole, the others past what they share
-        bm = self.block_manager
         leader = request.seqs[0]
         num_tokens = len(leader) + sum(len(s) - bm.block_size * bm._num_shared(leader, s)
                                        for s in request.seqs[1:])
@@ -774,9 +737,8 @@ class Scheduler:
 
     def preempt(self, request, batch, mode=None):
         """Take a running request's blocks back, all its sequences at once. Swap: move them to the
-        CPU pool; it resumes where it was. Recompute: free them (the prefix cache may keep much of
-        it) and queue the request at the front; its generated tokens stay and are computed again
-        as prompt."""
+        CPU pool; it resumes where it was. Recompute: free them (the prefix cache may keep much)
+        and queue the request in front; its generated tokens are computed again as prompt."""
         mode = mode or self._choose_mode(request)
         held = sorted({b for s in request.seqs for b in s.block_table})
         self.events.record("preempt", [s.seq_id for s in request.seqs], held, note=mode)
@@ -903,9 +865,8 @@ class Event:
                                              to=_ids(self.to_ids), note=self.note)
 
 class EventLog:
-    """Where the block manager and the scheduler write what happened, one Event per record() call.
-    The engine stamps the step and takes the records at its end. Debug kinds are kept only when
-    debug is on: they are many, one per ref-count change."""
+    """Where the block manager and the scheduler write what happened, for the engine to stamp with
+    its step and take. Debug kinds (one per ref-count change) are kept only when debug is on."""
 
     def __init__(self, debug=False):
         self.debug = debug
@@ -931,20 +892,13 @@ class EventLog:
 RequestOutput = namedtuple("RequestOutput", "request_id prompt_token_ids outputs ttft tpot")
 CompletionOutput = namedtuple("CompletionOutput", "index token_ids text finish_reason")
 
-@dataclass
-class StepReport:
-    """What one step did, for whoever watches (LLM.on_step): the batch it ran, the events it
-    caused, the metrics after it, and how long it took."""
-    step: int
-    batch: ScheduledBatch
-    events: list
-    stats: dict
-    seconds: float
+# what one step did, for whoever watches (LLM.on_step): its number, the ScheduledBatch it ran, the
+# events it caused, the metrics after it (stats()), and how long it took in seconds
+StepReport = namedtuple("StepReport", "step batch events stats seconds")
 
 class LLM:
     """The engine: owns the model, the KV cache pool, the block manager and the scheduler.
-    generate() adds requests and runs step() until they finish; step() is one batch through the
-    model. Every callable in on_step gets each step's StepReport."""
+    generate() adds requests and runs step() (one batch through the model) until they finish."""
 
     def __init__(self, model=None, device=None, dtype=None, block_size=16, num_blocks=None,
                  num_cpu_blocks=0, enable_prefix_caching=True, max_num_seqs=256,
@@ -958,12 +912,9 @@ class LLM:
                 f"device must be None, 'cpu' or 'cuda[:index]', got {device!r}")
         require(dtype in (None, "float32", "bfloat16", "float16") or isinstance(dtype, torch.dtype),
                 f"dtype must be None, 'float32', 'bfloat16', 'float16' or a torch.dtype: {dtype!r}")
-        require(isinstance(enable_prefix_caching, bool),
-                f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
-        require(is_int(max_num_seqs) and max_num_seqs >= 1,
-                f"max_num_seqs must be an int >= 1, got {max_num_seqs!r}")
-        require(is_int(max_num_batched_tokens) and max_num_batched_tokens >= 1,
-                f"max_num_batched_tokens must be an int >= 1, got {max_num_batched_tokens!r}")
+        require_bool("enable_prefix_caching", enable_prefix_caching)
+        require_int("max_num_seqs", max_num_seqs, 1)
+        require_int("max_num_batched_tokens", max_num_batched_tokens, 1)
         require(max_model_len is None or (is_int(max_model_len) and max_model_len >= 1),
                 f"max_model_len must be None (the model's) or an int >= 1, got {max_model_len!r}")
         require(preemption_mode in ("recompute", "swap", "auto"),
@@ -973,8 +924,7 @@ class LLM:
         require(preemption_mode != "swap" or num_cpu_blocks or swap_space,
                 "preemption_mode='swap' needs a CPU pool: num_cpu_blocks > 0 or swap_space (GiB)")
         check_seed(seed)
-        require(isinstance(debug_blocks, bool),
-                f"debug_blocks must be a bool, got {debug_blocks!r}")
+        require_bool("debug_blocks", debug_blocks)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -986,8 +936,7 @@ class LLM:
         # a block holds K and V of block_size tokens in every layer: one block id serves all layers
         kv_size = cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
         bytes_per_block = 2 * cfg.num_layers * block_size * kv_size
-        if num_blocks is None:
-            num_blocks = self._default_num_blocks(bytes_per_block)
+        num_blocks = num_blocks or self._default_num_blocks(bytes_per_block)
         num_cpu_blocks = num_cpu_blocks or int((swap_space or 0) * (1 << 30) // bytes_per_block)
         require(preemption_mode != "swap" or num_cpu_blocks >= 1,
                 f"swap_space {swap_space} GiB holds no block of {bytes_per_block} bytes")
@@ -1018,8 +967,7 @@ class LLM:
 
     def _measure_swap_bandwidth(self):
         """Bytes per second of a device -> CPU -> device round trip of a few blocks."""
-        num_probe_blocks = min(8, self.kv_cache.shape[2], self.cpu_cache.shape[2])
-        probe = range(num_probe_blocks)
+        probe = range(min(8, self.kv_cache.shape[2], self.cpu_cache.shape[2]))   # block ids
         for _ in range(2):   # the first round warms up
             t0 = time.perf_counter()
             self.copy_blocks([("swap out", i, i) for i in probe])
@@ -1032,20 +980,16 @@ class LLM:
 
     def _default_num_blocks(self, bytes_per_block):
         # CUDA: most of what the weights leave free (as vLLM's gpu_memory_utilization); CPU: 1 GiB
-        if self.device.type == "cuda":
-            budget = 0.8 * torch.cuda.mem_get_info(self.device)[0]
-        else:
-            budget = 1 << 30
+        cuda = self.device.type == "cuda"
+        budget = 0.8 * torch.cuda.mem_get_info(self.device)[0] if cuda else 1 << 30
         return max(1, int(budget // bytes_per_block))
 
     # -- requests in
 
     def max_blocks_needed(self, num_prompt_tokens, params):
-        """The most blocks a request can hold at once: its prompt's full blocks shared by all n
-        sequences, and every sequence's own blocks at full length (its last token is sampled, never
-        written). The scheduler keeps the promise this makes, that a request alone in the pool
-        always finishes: its samples or beams share the prompt's full blocks, even after a
-        preemption."""
+        """The most blocks a request can hold at once: its prompt's full blocks, shared by all n
+        sequences (even after a preemption), and each sequence's own blocks at full length. The
+        scheduler keeps the promise this makes, that a request alone in the pool always finishes."""
         bs = self.block_manager.block_size
         written = num_prompt_tokens + params.max_tokens - 1   # the last token ends it, unwritten
         shared = num_prompt_tokens // bs
@@ -1057,8 +1001,7 @@ class LLM:
         num_blocks = self.block_manager.num_blocks
         require(len(token_ids) > 0, "empty prompt: a prompt needs at least one token")
         bad = [t for t in token_ids if not (is_int(t) and 0 <= t < vocab)]
-        require(not bad,
-                f"token id {bad[:1]} is outside the vocabulary: ids are ints in [0, {vocab})")
+        require(not bad, f"token id {bad[:1]} outside the vocabulary: ids are ints in [0, {vocab})")
         require(len(token_ids) + params.max_tokens <= self.max_model_len,
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"max_model_len ({self.max_model_len})")
@@ -1103,17 +1046,15 @@ class LLM:
         for token_ids, p in zip(token_lists, params):
             request_id = next(self.request_ids)
             seed = getattr(p, "seed", None)
-            if seed is None:
-                seed = (self.seed * 1_000_003 + request_id) % 2**63
+            seed = (self.seed * 1_000_003 + request_id) % 2**63 if seed is None else seed
             self.requests[request_id] = Request(request_id, token_ids, p, seed)
             self.scheduler.add(self.requests[request_id])
             request_ids.append(request_id)
         return request_ids
 
     def generate(self, prompts, params=None, live=False):
-        """prompts: a string, a list of strings or a list of token-id lists; params: one for all,
-        or one per prompt; live: watch it in the terminal (View). Returns one RequestOutput per
-        prompt, in order."""
+        """prompts: a string, a list of strings or of token-id lists; params: one for all, or one
+        per prompt; live: watch it in the terminal (View). Returns a RequestOutput per prompt."""
         request_ids = self.add_requests(prompts, params)
         self._run(request_ids, live)
         return [self._output(self.requests.pop(r)) for r in request_ids]
@@ -1147,15 +1088,12 @@ class LLM:
         outs = [CompletionOutput(s.index, s.output_token_ids, self._detokenize(s.output_token_ids),
                                  s.finish_reason) for s in seqs]
         ttft = request.first_token_time - request.arrival_time
-        tpot = [(s.finish_time - request.first_token_time) / max(1, s.num_output_tokens - 1)
-                for s in seqs]
-        return RequestOutput(request.request_id, request.prompt_token_ids, outs, ttft,
-                             sum(tpot) / len(tpot))
+        tpot = sum((s.finish_time - request.first_token_time) / max(1, s.num_output_tokens - 1)
+                   for s in seqs) / len(seqs)
+        return RequestOutput(request.request_id, request.prompt_token_ids, outs, ttft, tpot)
 
     def _detokenize(self, token_ids):
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
 
     # -- one step
 
@@ -1217,8 +1155,7 @@ class LLM:
         return batch
 
     def copy_blocks(self, block_copies):
-        """Carry out a ScheduledBatch's block copies, in order: each moves one block's K and V in
-        every layer."""
+        """Make a batch's block copies, in order: each moves one block's K and V in all layers."""
         for kind, src, dst in block_copies:
             if kind == "copy":        # copy-on-write inside the device pool
                 self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
@@ -1246,17 +1183,15 @@ class LLM:
                 samplers.append((request, seq))
         max_blocks = max(len(s.block_table) for s in batch.seqs)
         block_tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch.seqs]
-
-        def tensor(x, dtype):
-            return torch.tensor(x, dtype=dtype, device=self.device)
-
-        model_batch = Batch(input_ids=tensor(input_ids, torch.long),
-                            positions=tensor(positions, torch.long),
-                            slot_mapping=tensor(slot_mapping, torch.long),
-                            block_tables=tensor(block_tables, torch.int32),
-                            context_lens=tensor(context_lens, torch.int32),
-                            query_start_loc=tensor(query_start_loc, torch.int32),
-                            logits_indices=tensor(logits_indices, torch.long),
+        int64 = dict(dtype=torch.long, device=self.device)
+        int32 = dict(dtype=torch.int32, device=self.device)
+        model_batch = Batch(input_ids=torch.tensor(input_ids, **int64),
+                            positions=torch.tensor(positions, **int64),
+                            slot_mapping=torch.tensor(slot_mapping, **int64),
+                            block_tables=torch.tensor(block_tables, **int32),
+                            context_lens=torch.tensor(context_lens, **int32),
+                            query_start_loc=torch.tensor(query_start_loc, **int32),
+                            logits_indices=torch.tensor(logits_indices, **int64),
                             max_query_len=max(batch.num_new_tokens),
                             max_context_len=max(context_lens))
         return model_batch, samplers
@@ -1318,8 +1253,7 @@ BeamSearchSequence = namedtuple("BeamSearchSequence",
                                 "token_ids text cum_logprob score finish_reason")
 
 def beam_round(scheduler, request):
-    """Every live beam of request has its next-token log-probs: choose the next beams. Returns
-    the number of tokens appended to beams."""
+    """Every live beam has its next-token log-probs: choose the next beams. Returns their tokens."""
     params = request.params
     candidates = []
     for beam in request.seqs:
@@ -1327,13 +1261,10 @@ def beam_round(scheduler, request):
         for logprob, token in zip(top.values.tolist(), top.indices.tolist()):
             candidates.append(BeamCandidate(beam.cum_logprob + logprob, beam, token))
         beam.logprobs = None
-    live = []
-    for c in candidates:
-        if c.token in scheduler.eos_token_ids and not params.ignore_eos:
-            hypothesis = BeamHypothesis(c.beam.output_token_ids + [c.token], c.cum_logprob, "stop")
-            request.completed.append(hypothesis)
-        else:
-            live.append(c)
+    eos = frozenset() if params.ignore_eos else scheduler.eos_token_ids
+    request.completed += [BeamHypothesis(c.beam.output_token_ids + [c.token], c.cum_logprob, "stop")
+                          for c in candidates if c.token in eos]
+    live = [c for c in candidates if c.token not in eos]
     chosen = sorted(live, key=lambda c: c.cum_logprob, reverse=True)[:params.beam_width]
     for beam in list(request.seqs):   # fork first (a child copies its parent's tokens)...
         picks = [c for c in chosen if c.beam is beam]
@@ -1438,8 +1369,7 @@ class View:
         self.tick = (time.perf_counter(), generated)
 
     def frame(self, report, events):
-        """The engine as it is now, as rich text: the report's step and metrics, the pools, the
-        sequences, the given events."""
+        """The engine now, as rich text: step and metrics, the pools, the sequences, the events."""
         from rich.console import Group
         from rich.text import Text
         width = self.console.width
@@ -1465,17 +1395,14 @@ class View:
             second += f" | {self.tokens_per_second:.1f} tok/s"
         return first + "\n" + second
 
-    def _holders(self, seqs):   # block id -> ids of the requests whose tables hold it
-        holders = {}
-        for seq in seqs:
-            for block_id in seq.block_table:
-                holders.setdefault(block_id, set()).add(seq.request_id)
-        return holders
-
-    def _cells(self, blocks, holders, per_cell):
+    def _cells(self, blocks, seqs, per_cell):
         """One character per block: its ref_count (+ from 10), · cached, . free; or, folded, one
         per per_cell blocks: █ all used, ▒ some used, · some cached, . all free."""
         from rich.text import Text
+        holders = {}   # block id -> ids of the requests whose tables hold it
+        for seq in seqs:
+            for block_id in seq.block_table:
+                holders.setdefault(block_id, set()).add(seq.request_id)
         cells = Text()
         for i in range(0, len(blocks), per_cell):
             group = blocks[i:i + per_cell]
@@ -1496,33 +1423,25 @@ class View:
         return cells
 
     def pools(self, width, max_rows):
-        """The device pool and, beside it, the CPU pool: rows of cells, each row led by the id of
-        its first block."""
+        """The device pool and, beside it, the CPU pool: rows of cells, each led by its first id."""
         from rich.text import Text
         bm = self.llm.block_manager
         cpu_cols = 16 if bm.num_cpu_blocks else 0
-        cols = 64 if width >= 110 + cpu_cols else 32
-        pools = [(bm.blocks, self._holders(bm.seqs.values()), cols)]
+        pools = [("device pool", bm.blocks, bm.seqs, 64 if width >= 110 + cpu_cols else 32)]
         if cpu_cols:
-            pools.append((bm.cpu_blocks, self._holders(bm.swapped_seqs.values()), cpu_cols))
-        columns = []
-        for blocks, holders, n in pools:
+            pools.append(("cpu pool", bm.cpu_blocks, bm.swapped_seqs, cpu_cols))
+        titles = []
+        columns = []   # each pool's rows, padded to the column's width: 6 + n cells
+        for title, blocks, seqs, n in pools:
             per_cell = max(1, math.ceil(len(blocks) / (n * max_rows)))
-            cells = self._cells(blocks, holders, per_cell)
-            rows = [Text(f"{i * n * per_cell:>5} ") + cells[i * n:(i + 1) * n]
-                    for i in range(math.ceil(len(cells) / n))]
-            folded = f", {per_cell} blocks a cell" if per_cell > 1 else ""
-            columns.append((n + 6, rows, folded))
-        title = Text(f"{'device pool' + columns[0][2]:<{columns[0][0]}}")
-        if cpu_cols:
-            title += Text(f"    cpu pool{columns[1][2]}")
-        lines = [title]
-        for i in range(max(len(rows) for _, rows, _ in columns)):
-            line = Text()
-            for j, (col_width, rows, _) in enumerate(columns):
-                part = rows[i] if i < len(rows) else Text()
-                line += Text("  │ " if j else "") + part + Text(" " * (col_width - len(part)))
-            lines.append(line)
+            cells = self._cells(blocks, seqs.values(), per_cell)
+            rows = [Text(f"{i * per_cell:>5} ") + cells[i:i + n] for i in range(0, len(cells), n)]
+            columns.append([row + " " * (n + 6 - len(row)) for row in rows])
+            titles.append(f"{title}, {per_cell} blocks a cell" if per_cell > 1 else title)
+        lines = [Text(f"{titles[0]:<{pools[0][3] + 6}}" + "".join("    " + t for t in titles[1:]))]
+        for i in range(max(map(len, columns))):
+            parts = [rows[i] if i < len(rows) else Text(" " * len(rows[0])) for rows in columns]
+            lines.append(Text("  │ ").join(parts))
         legend = "digits: ref_count (bold: shared)   ·: cached   .: free"
         return lines + [Text(legend, "dim")]
 
@@ -1556,8 +1475,7 @@ class View:
 SYSTEM = "You are a helpful assistant. Answer in one short sentence.\n"
 QUESTIONS = ["What is a cache?", "Why is the sky blue?", "What is a prime number?",
              "Name a planet.", "What does a scheduler do?"]
-# name: (what it shows, engine arguments); every demo uses block_size 4, so that blocks are few
-# tokens and a screen shows them all
+# name: (what it shows, engine arguments); block_size 4 in every demo: a screen shows every block
 DEMOS = {
     "mix": ("all of the below in one small pool (the default)",
             dict(num_blocks=24, num_cpu_blocks=12, preemption_mode="swap")),
@@ -1624,8 +1542,7 @@ def main():
     p.add_argument("--trace", action="store_true", help="print a plain snapshot every step")
     p.add_argument("--svg", default=None, help="save the view of the busiest step to this file")
     p.add_argument("--delay", type=float, default=0.0, help="seconds to pause after each step")
-    p.add_argument("--model", default=None,
-                   help="None: SmolLM2-135M-Instruct; a local directory; random:<preset>")
+    p.add_argument("--model", help="None: SmolLM2-135M-Instruct; a directory; random:<preset>")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--block-size", type=int, default=4, help="tokens per KV cache block")
     p.add_argument("--num-blocks", type=int, help="blocks in the pool (default: the demo's)")
@@ -1639,9 +1556,8 @@ def main():
     args = p.parse_args()
     kwargs = dict(DEMOS[args.demo][1], block_size=args.block_size, debug_blocks=args.debug_blocks,
                   enable_prefix_caching=not args.no_prefix_caching)
-    for name in ("num_blocks", "num_cpu_blocks", "preemption_mode", "max_num_batched_tokens"):
-        if getattr(args, name) is not None:
-            kwargs[name] = getattr(args, name)
+    optional = ("num_blocks", "num_cpu_blocks", "preemption_mode", "max_num_batched_tokens")
+    kwargs.update({k: getattr(args, k) for k in optional if getattr(args, k) is not None})
     llm = LLM(args.model, device=args.device, **kwargs)
     try:
         share = run_demo(llm, args.demo, args.live, args.trace, args.delay, args.svg)
