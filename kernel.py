@@ -7,10 +7,9 @@ walks that table. One function serves prefill chunks and decodes in the same bat
 
     out = paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
 
-Sequence i's q_len new tokens, q[qsl[i]:qsl[i+1]] with qsl = query_start_loc, are the last q_len
-of its context_lens[i] tokens and attend causally to everything before them (q_len = 1 for a
-decode, a chunk for a prefill), with grouped-query attention (num_heads a multiple of
-num_kv_heads).
+Sequence i's q_len new tokens, q[qsl[i]:qsl[i+1]] with qsl = query_start_loc, are the last q_len of
+its context_lens[i] tokens and attend causally to everything before them (q_len = 1 for a decode, a
+chunk for a prefill), with grouped-query attention (num_heads a multiple of num_kv_heads).
 
 Read it in order, as a Triton tutorial: the K/V write; the PyTorch reference (the CPU path, and
 the oracle the kernel is held to; the tests hold it to plain attention, one sequence at a time);
@@ -41,11 +40,10 @@ def store_kvcache(k, v, k_cache, v_cache, slot_mapping):
 # for the whole step at once, in plain PyTorch
 
 def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale):
-    """q and the result: (num_tokens, num_heads, head_dim);
-    caches: (num_blocks, block_size, kv_heads, head_dim); block_tables: (num_seqs, max_blocks);
-    context_lens: (num_seqs,); query_start_loc: (num_seqs + 1,). The decodes (one new token each)
-    go in one batch and the prefill chunks in another: padding a decode's single query to the
-    longest chunk would multiply its work. Each batch is one gather and one masked attention."""
+    """q and the result: (num_tokens, num_heads, head_dim); caches: (num_blocks, block_size,
+    kv_heads, head_dim); block_tables: (num_seqs, max_blocks); context_lens: (num_seqs,);
+    query_start_loc: (num_seqs + 1,). Decodes and prefill chunks go in two batches: padding a
+    decode's one query to the longest chunk would multiply its work."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     group = q.shape[1] // num_kv_heads                                  # query heads per K/V head
     q_lens = query_start_loc.diff()                                     # (num_seqs,)
@@ -274,9 +272,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
 
 def random_case(seed=0, block_size=4, num_kv_heads=2, group=3, head_dim=16,
                 ctx_q=((13, 1), (7, 7), (20, 5), (1, 1)), dtype=torch.float32, device="cpu"):
-    """A random pool and a batch mixing decodes and prefill chunks. ctx_q: (context_len, new
-    tokens) per sequence. Each sequence gets distinct blocks in shuffled order, so that a wrong
-    table lookup shows."""
+    """A random pool and a batch mixing decodes and prefill chunks, ctx_q: (context_len, new tokens)
+    per sequence. Distinct blocks per sequence, shuffled, so that a wrong table lookup shows."""
     g = torch.Generator().manual_seed(seed)
     num_seqs = len(ctx_q)
     max_blocks = max((c + block_size - 1) // block_size for c, _ in ctx_q)
@@ -298,10 +295,9 @@ def random_case(seed=0, block_size=4, num_kv_heads=2, group=3, head_dim=16,
 # Benchmark (CUDA): decode against the bytes it must read, and against contiguous attention
 
 def bench_decode(batches=(1, 8, 64, 256), contexts=(512, 1024, 2048, 4096, 8192, 16384)):
-    """Decode, 32 query heads on 8 KV heads, head_dim 128, block_size 16, bfloat16. A decode must
-    read every K and V of its context once: bytes / time is the kernel's bandwidth, held against
-    a plain device copy measured in the same run, and its time against
-    scaled_dot_product_attention on the same K/V laid out contiguously."""
+    """Decode, 32 query heads on 8 KV heads, head_dim 128, block_size 16, bfloat16. A decode reads
+    every K and V of its context once: bytes / time is the kernel's bandwidth, held against a device
+    copy timed in the same run; its time against scaled_dot_product_attention on contiguous K/V."""
     from triton.testing import do_bench
     num_heads, num_kv_heads, head_dim, block_size = 32, 8, 128, 16
     scale = head_dim ** -0.5
@@ -323,9 +319,8 @@ def bench_decode(batches=(1, 8, 64, 256), contexts=(512, 1024, 2048, 4096, 8192,
         context_lens = torch.full((batch,), ctx, **i32)
         qsl = torch.arange(batch + 1, **i32)
         splits = num_kv_splits_for(batch, num_kv_heads, ctx, num_sms(q.device))
-        ms = do_bench(lambda: paged_attention_triton(q, k_cache, v_cache, block_tables,
-                                                     context_lens, qsl, scale, max_query_len=1,
-                                                     num_kv_splits=splits))
+        args = (q, k_cache, v_cache, block_tables, context_lens, qsl, scale)
+        ms = do_bench(lambda: paged_attention_triton(*args, max_query_len=1, num_kv_splits=splits))
         nbytes = (2 * batch * ctx * num_kv_heads * head_dim + 2 * q.numel()) * q.element_size()
         # the same K/V, contiguous per sequence: (batch, kv_heads, ctx, head_dim)
         k = k_cache[block_tables.long()].flatten(1, 2).transpose(1, 2).contiguous()

@@ -125,8 +125,7 @@ class DecoderLayer(nn.Module):
 
 @dataclasses.dataclass
 class Batch:
-    """One step's tokens as tensors. T = num_tokens, the new tokens of all sequences together;
-    S = num_seqs."""
+    """One step's tokens as tensors: T = num_tokens (all sequences' new tokens), S = num_seqs."""
     input_ids: torch.Tensor        # (T,) int64
     positions: torch.Tensor        # (T,) int64   each token's position in its own sequence
     slot_mapping: torch.Tensor     # (T,) int64   where its K/V go: block_id * block_size + offset
@@ -160,8 +159,7 @@ class Llama(nn.Module):
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], batch)
-        # only the last token of a sequence that finishes its chunk needs logits: the vocabulary
-        # matmul is skipped for the rest
+        # logits (the vocabulary matmul) only for the last token of a sequence ending its chunk
         return self.lm_head(self.norm(x[batch.logits_indices])).float()
 
 # ----------------------------------------------------------------------------------------------
@@ -184,8 +182,7 @@ def default_model_dir():
 
 @functools.lru_cache(maxsize=2)
 def load_hf(name=None, seed=0):
-    """(transformers model in float32, tokenizer or None). Cached: dequantizing the GGUF file
-    takes seconds."""
+    """(transformers model in float32, tokenizer or None), cached: GGUF dequantizes in seconds."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging
     logging.disable_progress_bar()   # no loading bars over the live view
@@ -218,9 +215,8 @@ def load_hf(name=None, seed=0):
     return hf, tokenizer
 
 def config_from_hf(c) -> ModelConfig:
-    """Our ModelConfig from a transformers config. What this model does not compute (scaled
-    rotary embeddings, a sliding window, biases, another activation) is a ValueError naming it:
-    a model is run exactly or not at all."""
+    """What this model does not compute (scaled rotary embeddings, a sliding window, biases, another
+    activation) is a ValueError naming it: a model is run exactly or not at all."""
     rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     act = getattr(c, "hidden_act", "silu")

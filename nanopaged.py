@@ -200,11 +200,10 @@ class Block:
     # set while the block is registered in the prefix cache (full, computed, immutable). A hit
     # needs the same hash, the same tokens, and parent_entry == the entry of the block matched
     # before it: a hash can collide and tokens say nothing of the prefix, but by induction the
-    # whole prefix then matches.
+    # whole prefix then matches. No entry is reused: the children of an evicted block stop matching.
     hash: int | None = None           # chain hash of the prefix up to and including this block
     token_ids: tuple = ()             # this block's tokens
-    entry: int | None = None          # registration number, never reused (so the children of an
-                                      # evicted block stop matching)
+    entry: int | None = None          # its registration number
     parent_entry: int | None = None   # the entry of the block before it (None: the first block)
 
 class BlockManager:
@@ -225,9 +224,8 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids = deque(range(num_blocks))   # truly free: nothing worth keeping inside
         self.cached_block_ids = OrderedDict()            # ref_count 0, registered; LRU order
-        # the prefix cache: chain hash -> registered block ids, an ordered set: several when a
-        # prefix was computed twice (in one step, by a swap-in, by siblings recomputed apart) or
-        # when hashes collide
+        # the prefix cache: chain hash -> registered block ids, an ordered set: several if a prefix
+        # was computed twice (one step, a swap-in, siblings recomputed apart) or hashes collided
         self.hash_to_block_ids = {}
         self.entries = itertools.count()                 # numbers the prefix cache's registrations
         self.seqs = {}                                   # seq_id -> Sequence holding device blocks
@@ -260,9 +258,8 @@ class BlockManager:
 
     def _block_hash(self, seq, i):
         """Hash of seq's full block i, computed once and kept on the sequence."""
-        while len(seq.block_hashes) <= i:
-            j = len(seq.block_hashes)
-            parent_hash = seq.block_hashes[j - 1] if j else None
+        for j in range(len(seq.block_hashes), i + 1):
+            parent_hash = seq.block_hashes[-1] if j else None
             seq.block_hashes.append(self.compute_hash(parent_hash, self._tokens(seq, j)))
         return seq.block_hashes[i]
 
@@ -338,9 +335,8 @@ class BlockManager:
         return next(differ, limit)
 
     def can_allocate(self, seq, watermark=0, siblings=()):
-        """Would allocate(seq), then allocate(s, leader=seq) for each sibling, leave `watermark`
-        blocks free? A hit on a cached (unheld) block takes it from the free count; on a held one,
-        it costs nothing."""
+        """Would allocating seq, then each sibling with leader=seq, leave `watermark` blocks free? A
+        hit on a cached (unheld) block takes one from the free count too; on a held one, nothing."""
         need = self._num_blocks_for(len(seq)) - sum(b.ref_count > 0 for b in self._cache_hits(seq))
         for s in siblings:
             need += self._num_blocks_for(len(s)) - self._num_shared(seq, s)
@@ -504,8 +500,7 @@ class BlockManager:
     # -- the rules, checked
 
     def check_invariants(self):
-        """Raises AssertionError naming the broken rule: ref_count, partition, cached, free, hash
-        map, block table."""
+        """Asserts each rule, by name: ref_count, partition, cached, free, hash map, block table."""
         pools = (("device", self.blocks, self.seqs), ("cpu", self.cpu_blocks, self.swapped_seqs))
         for pool, blocks, seqs in pools:
             holders = Counter(b for seq in seqs.values() for b in seq.block_table)
@@ -595,11 +590,10 @@ class ScheduledBatch:
 @dataclass
 class PreemptionCost:
     """What preemption_mode='auto' weighs, measured on this machine. Recomputing a request costs
-    a prefill of its tokens (its first sequence whole, the others past the blocks they share):
-    tokens * seconds_per_token, the engine's own average over its steps (an upper estimate: a
-    step's fixed overhead is spread over its tokens; prefix hits may save more). Swapping costs
-    moving its distinct blocks out and back in: 2 * blocks * bytes_per_block / copy bandwidth,
-    measured when the engine starts by timing a round trip of a few blocks."""
+    a prefill of its tokens: tokens * seconds_per_token, the engine's own average over its steps
+    (an upper estimate: a step's fixed overhead is spread over its tokens; prefix hits may save
+    more). Swapping costs moving its distinct blocks out and back in: 2 * blocks * bytes_per_block
+    / copy bandwidth, measured when the engine starts by timing a round trip of a few blocks."""
     bytes_per_block: int
     swap_bytes_per_second: float
     seconds_per_token: float = 0.0   # 0 until the first step is measured
@@ -613,11 +607,9 @@ class PreemptionCost:
         return swap_seconds < num_tokens * self.seconds_per_token
 
 class Scheduler:
-    """First come, first served continuous batching over requests. Each step, while the token
-    budget lasts: running requests, oldest first, get their next token (or prefill chunk); then
-    swapped-out requests come back; then waiting ones are admitted while max_num_seqs and free
-    blocks allow. A running sequence that cannot get a block preempts the newest running request
-    (swapped to the CPU pool, or freed to be recomputed) before any new request runs."""
+    """First come, first served continuous batching over requests, in the order schedule() tells,
+    under a token budget per step. A running sequence that cannot get a block preempts the newest
+    running request (swapped to the CPU pool, or freed to be recomputed)."""
 
     def __init__(self, block_manager, max_num_seqs=256, max_num_batched_tokens=2048,
                  watermark=0.01, eos_token_ids=(), preemption_mode="auto", cost=None):
@@ -709,8 +701,7 @@ class Scheduler:
 
     def _admit(self, request, batch):
         """Allocate a waiting request's blocks, all its sequences at once. A recomputed n>1 or beam
-        request comes back shared as it ran: its first sequence computes the blocks they have in
-        common (the prompt, the beams' common past), the others compute only their own tokens."""
+        request comes back shared as it ran: its first sequence computes what they share."""
         leader = request.seqs[0]
         self.block_manager.allocate(leader)
         for seq in request.seqs[1:]:
@@ -1407,19 +1398,17 @@ class View:
         for i in range(0, len(blocks), per_cell):
             group = blocks[i:i + per_cell]
             used = [b for b in group if b.ref_count]
-            if per_cell > 1:
-                char = "█" if len(used) == len(group) else "▒" if used else "."
-                char = "·" if not used and any(b.hash is not None for b in group) else char
-                cells.append(char, "bold" if used else "dim")
-            elif used:
+            if not used:
+                cells.append("·" if any(b.hash is not None for b in group) else ".", "dim")
+            elif per_cell > 1:
+                cells.append("█" if len(used) == len(group) else "▒", "bold")
+            else:
                 b = used[0]
                 requests = holders.get(b.block_id, ())
                 owner = min(requests, default=0)
                 colour = "white" if len(requests) > 1 else HOLDER_COLOURS[owner % 8]
                 cells.append(str(b.ref_count) if b.ref_count < 10 else "+",
                              f"bold {colour}" if b.ref_count > 1 else colour)
-            else:
-                cells.append("·" if group[0].hash is not None else ".", "dim")
         return cells
 
     def pools(self, width, max_rows):
@@ -1451,8 +1440,7 @@ class View:
         from rich.text import Text
         bm = self.llm.block_manager
         sched = self.llm.scheduler
-        requests = list(sched.running) + list(sched.swapped) + list(sched.waiting)
-        rows = [(r, s) for r in requests for s in r.seqs]
+        rows = [(r, s) for r in [*sched.running, *sched.swapped, *sched.waiting] for s in r.seqs]
         lines = [Text("  seq  req  state    block table (*: shared)   last block  text", "bold")]
         for request, seq in rows[:max_rows]:
             pool = bm.cpu_blocks if request.status is RequestStatus.SWAPPED else bm.blocks
