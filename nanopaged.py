@@ -29,6 +29,7 @@ Read it in the order one request travels:
 import argparse
 import bisect
 import contextlib
+import io
 import itertools
 import math
 import sys
@@ -38,6 +39,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
+from rich.console import Console, Group
+from rich.live import Live
+from rich.text import Text
 
 from model import Batch, load_model   # transformers is imported only when a model is loaded
 
@@ -634,8 +638,7 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def _fits(self, request):
-        running = sum(r.max_num_running_seqs for r in self.running)
-        return running + request.max_num_running_seqs <= self.max_num_seqs
+        return sum(r.max_num_running_seqs for r in [*self.running, request]) <= self.max_num_seqs
 
     def _watermark(self):   # with nothing running no decode can starve: a request may fill the pool
         return self.watermark_blocks if self.running else 0
@@ -961,8 +964,7 @@ class LLM:
         probe = range(min(8, self.kv_cache.shape[2], self.cpu_cache.shape[2]))   # block ids
         for _ in range(2):   # the first round warms up
             t0 = time.perf_counter()
-            self.copy_blocks([("swap out", i, i) for i in probe])
-            self.copy_blocks([("swap in", i, i) for i in probe])
+            self.copy_blocks([(kind, i, i) for kind in ("swap out", "swap in") for i in probe])
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             seconds = time.perf_counter() - t0
@@ -999,8 +1001,7 @@ class LLM:
         require(params.n <= self.scheduler.max_num_seqs,
                 f"n (or beam_width) {params.n} > max_num_seqs {self.scheduler.max_num_seqs}")
         require(not isinstance(params, BeamSearchParams) or 2 * params.beam_width <= vocab,
-                f"beam_width {params.n}: each beam offers 2 * beam_width candidates, at most the "
-                f"vocabulary ({vocab})")
+                f"beam_width {params.n}: 2 * beam_width candidates exceed the vocabulary ({vocab})")
         need = self.max_blocks_needed(len(token_ids), params)
         require(need <= num_blocks,
                 f"the pool is too small for this request: it may need {need} blocks, the pool has "
@@ -1203,8 +1204,7 @@ class LLM:
             drop = probs.cumsum(-1) - probs >= params.top_p   # the tokens after top_p is reached
             drop = torch.zeros_like(drop).scatter(0, order, drop)   # back in vocabulary order
             logits = logits.masked_fill(drop, float("-inf"))
-        probs = logits.softmax(-1)
-        return int(torch.multinomial(probs, 1, generator=request.generators[i]))
+        return int(torch.multinomial(logits.softmax(-1), 1, generator=request.generators[i]))
 
     def stats(self):
         """The engine's metrics (vLLM's names where vLLM has one): fractions (0..1) and counts."""
@@ -1289,23 +1289,21 @@ def beam_output(request, detokenize):
 
 # ----------------------------------------------------------------------------------------------
 # 7. The live view: the pool, the block tables, the metrics and the story, after every step
-#    (rich is imported here only; skip this section on a first reading)
+#    (drawn with rich; skip this section on a first reading)
 
 HOLDER_COLOURS = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "orange3"]
 
 class View:
-    """Draws the engine after every step, as an LLM.on_step callback: the device pool, one cell
-    per block with its ref_count in the colour of the request holding it (bold: shared; white:
-    held by several requests), cached blocks as ·, free ones as .; the CPU pool beside it; one row
-    per sequence with its block table (* marks a shared block); the metrics; the last events in
-    plain words. live: redraw in place; else print a plain snapshot per step (the trace).
+    """Draws the engine after every step (an LLM.on_step callback): the device pool, a cell per
+    block with its ref_count in the colour of the request holding it (bold: shared; white: several
+    requests), the CPU pool beside it; a row per sequence with its block table (*: shared); the
+    metrics; the last events. live: redraw in place; else a trace, a plain snapshot per step.
 
         with View(llm):                 # or llm.generate(prompts, params, live=True)
             llm.generate(prompts, params)
     """
 
     def __init__(self, llm, live=True, console=None, delay=0.0, svg=None):
-        from rich.console import Console
         self.llm = llm
         self.live = live
         # a trace is plain text of a fixed width, so that runs with the same seed print the same
@@ -1323,7 +1321,6 @@ class View:
     def __enter__(self):
         self.llm.on_step.append(self)
         if self.live:
-            from rich.live import Live
             self.rich_live = Live(console=self.console, auto_refresh=False)
             self.rich_live.start()
         return self
@@ -1333,8 +1330,6 @@ class View:
         if self.rich_live is not None:
             self.rich_live.stop()   # the terminal is the user's again, after Ctrl-C too
         if self.svg and self.busiest[1] is not None:
-            import io
-            from rich.console import Console
             recorder = Console(record=True, width=self.console.width, file=io.StringIO())
             recorder.print(self.busiest[1])
             recorder.save_svg(self.svg, title="nanopaged")
@@ -1361,8 +1356,6 @@ class View:
 
     def frame(self, report, events):
         """The engine now, as rich text: step and metrics, the pools, the sequences, the events."""
-        from rich.console import Group
-        from rich.text import Text
         width = self.console.width
         # in a terminal the frame fits its height: pools and sequences fold when there are many
         height = self.console.height if self.live else 200
@@ -1389,7 +1382,6 @@ class View:
     def _cells(self, blocks, seqs, per_cell):
         """One character per block: its ref_count (+ from 10), · cached, . free; or, folded, one
         per per_cell blocks: █ all used, ▒ some used, · some cached, . all free."""
-        from rich.text import Text
         holders = {}   # block id -> ids of the requests whose tables hold it
         for seq in seqs:
             for block_id in seq.block_table:
@@ -1413,7 +1405,6 @@ class View:
 
     def pools(self, width, max_rows):
         """The device pool and, beside it, the CPU pool: rows of cells, each led by its first id."""
-        from rich.text import Text
         bm = self.llm.block_manager
         cpu_cols = 16 if bm.num_cpu_blocks else 0
         pools = [("device pool", bm.blocks, bm.seqs, 64 if width >= 110 + cpu_cols else 32)]
@@ -1437,7 +1428,6 @@ class View:
     def sequences(self, width, max_rows):
         """One row per live sequence: id, request, state, block table, fill of its last block, the
         tail of its text. Swapped-out tables hold CPU block ids."""
-        from rich.text import Text
         bm = self.llm.block_manager
         sched = self.llm.scheduler
         rows = [(r, s) for r in [*sched.running, *sched.swapped, *sched.waiting] for s in r.seqs]
