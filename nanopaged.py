@@ -1343,8 +1343,7 @@ class View:
         self.events.extend(story)
         frame = self.frame(report, self.events if self.live else story)
         used = self.llm.block_manager.num_used_blocks()
-        if used > self.busiest[0]:
-            self.busiest = (used, frame)
+        self.busiest = max(self.busiest, (used, frame), key=lambda b: b[0])   # the first, on a tie
         if self.rich_live is not None:
             self.rich_live.update(frame, refresh=True)
         else:
