@@ -1,120 +1,261 @@
 """
-bench.py: run the engine on workloads and print what its memory system did.
+bench.py: the claims of paging, measured on this machine, side by side with baselines. Six
+experiments, each a table and a conclusion in plain words (each function's docstring says what it
+runs): memory, throughput, prefix, sharing, block_size, preemption.
 
-What it teaches: the numbers that tell a paged KV cache is doing its job: how many of the reserved
-slots hold real tokens (token occupancy), how often a prompt's blocks were found in the prefix
-cache, how many blocks were copied on write, how much beams and samples save by sharing blocks.
-
-    python bench.py              the default model on a mixed workload
-    python bench.py --quick      the same at a small size (what fresh-check runs)
-
-This version runs one mixed workload and the sharing experiment; the side-by-side experiments
-against baselines come next.
+    python bench.py                    every experiment, the default model
+    python bench.py --quick            smaller workloads, a few minutes (what fresh-check runs)
+    python bench.py --only prefix      one experiment; --json FILE writes every figure
 """
 import argparse
+import json
 import platform
+import random
 import time
+from statistics import fmean as mean
 
 import torch
 from rich.console import Console
+from rich.progress import Progress
 from rich.table import Table
 
+import nanopaged
+from model import load_hf
 from nanopaged import LLM, BeamSearchParams, SamplingParams
 
-SYSTEM = ("You are a careful assistant. Answer in plain words, keep it short, and say when you "
-          "do not know.")
-QUESTIONS = ["What is a KV cache?", "Why do blocks help?", "Name a prime number.",
-             "What is copy-on-write?", "Tell me a short story about a clockmaker.",
-             "Explain recursion to a child.", "What does a scheduler do?",
-             "Write a haiku about memory."]
+console = Console(highlight=False)
+progress = Progress(console=console, transient=True)
+results = {}   # experiment -> its figures, for --json
 
-def prompt(llm, i, system=False, g=None):
-    """Question i in the instruct model's chat format; random token ids for random weights."""
-    if llm.tokenizer is None:
-        return torch.randint(0, llm.model.config.vocab_size, (8 + 6 * i,), generator=g).tolist()
-    messages = [{"role": "system", "content": SYSTEM}] * system
-    messages.append({"role": "user", "content": QUESTIONS[i % 8]})
-    return llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-
-def watch(llm):
-    """Sample the pool after every step through the step hook (the end of a run shows an empty
-    pool): kv_cache_usage_perc, token_occupancy_perc, blocks in use, and blocks the live tables
-    would hold if none were shared."""
-    seen = []
-
-    def record(report):
-        tables = [s.block_table for r in llm.scheduler.running for s in r.seqs]
-        seen.append((report.stats["kv_cache_usage_perc"], report.stats["token_occupancy_perc"],
-                     len({b for t in tables for b in t}), sum(map(len, tables))))
-
-    llm.on_step.append(record)
-    return seen
-
-def table(title, columns, rows):
-    t = Table(title=title)
+def report(name, title, columns, rows, conclusion):
+    """Print an experiment's table and conclusion; keep its figures for --json."""
+    t = Table(title=f"{name}: {title}", title_justify="left")
     for i, c in enumerate(columns):
         t.add_column(c, justify="left" if i == 0 else "right")
     for row in rows:
-        t.add_row(*map(str, row))
-    return t
+        t.add_row(*[f"{x:.2f}" if isinstance(x, float) else str(x) for x in row])
+    console.print(t, conclusion + "\n", style="bold")
+    results[name] = {"columns": columns, "rows": rows, "conclusion": conclusion}
+
+# ----------------------------------------------------------------------------------------------
+# Workloads: prompts cut from a text (nanopaged.py's own source), or random ids for random weights
+
+def corpus(llm):
+    if llm.tokenizer is None:   # random weights: random token ids, the same every run
+        g = torch.Generator().manual_seed(0)
+        return torch.randint(0, llm.model.config.vocab_size, (20000,), generator=g).tolist()
+    with open(nanopaged.__file__, encoding="utf-8") as f:
+        return llm.tokenizer.encode(f.read(), add_special_tokens=False)
+
+def mixed_workload(llm, num_requests, seed=0, sample_every=0):
+    """Prompts of 16 to 256 tokens, greedy outputs of 8 to 128 (eos off, so that every engine
+    makes exactly the tokens asked for); sample_every: every so many, n=2 samples instead."""
+    rng = random.Random(seed)
+    text = corpus(llm)
+    prompts, params = [], []
+    for i in range(num_requests):
+        n = rng.randint(16, 256)
+        start = rng.randrange(len(text) - n)
+        prompts.append(text[start:start + n])
+        sample = sample_every and i % sample_every == 0
+        params.append(SamplingParams(temperature=0.8 if sample else 0, n=2 if sample else 1,
+                                     max_tokens=rng.randint(8, 128), ignore_eos=True, seed=i))
+    return prompts, params
+
+def run(llm, label, prompts, params, live=False):
+    """Requests through the engine: (each output's token ids, seconds, the pool after each step)."""
+    task = progress.add_task(label, total=sum(p.max_tokens * p.n for p in params))
+    seen = []
+
+    def watch(step):
+        tables = [s.block_table for r in llm.scheduler.running for s in r.seqs]
+        seen.append(dict(step.stats, used_blocks=llm.block_manager.num_used_blocks(),
+                         running_requests=len(llm.scheduler.running),
+                         distinct_blocks=len({b for t in tables for b in t}),
+                         unshared_blocks=sum(map(len, tables))))
+        progress.update(task, completed=step.stats["num_generated_tokens"])
+
+    llm.on_step.append(watch)
+    t0 = time.perf_counter()
+    if isinstance(params[0], BeamSearchParams):
+        outs = [[s.token_ids for s in o.sequences] for o in llm.beam_search(prompts, params, live)]
+    else:
+        outs = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, live)]
+    seconds = time.perf_counter() - t0
+    progress.remove_task(task)
+    return outs, seconds, seen
+
+@torch.inference_mode()
+def hf_generate(hf, prompts, params):
+    """transformers' generate on a static batch: left-padded, run to its longest output."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=hf.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=hf.device)
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=max(p.max_tokens for p in params),
+                      do_sample=False, pad_token_id=0, eos_token_id=None)
+    return [row[width:width + p.max_tokens].tolist() for row, p in zip(out, params)]
+
+# ----------------------------------------------------------------------------------------------
+# The experiments
+
+def sweep(model, block_sizes, num_requests, device=None, num_slots=None, max_model_len=None):
+    """The mixed workload (every fourth request n=2) at each block size, in num_slots tokens if
+    given: rows of block_size, occupancy, slots wasted, requests at once, tokens/s, copies."""
+    rows = []
+    for size in block_sizes:
+        llm = LLM(model, device=device, block_size=size, max_model_len=max_model_len,
+                  num_blocks=num_slots and num_slots // size)
+        prompts, params = mixed_workload(llm, num_requests, sample_every=4)
+        _, seconds, seen = run(llm, f"block_size {size}", prompts, params)
+        wasted = [s["used_blocks"] * size * (1 - s["token_occupancy_perc"]) for s in seen]
+        rows.append([size, mean(s["token_occupancy_perc"] for s in seen), round(mean(wasted)),
+                     max(s["running_requests"] for s in seen),
+                     seen[-1]["num_generated_tokens"] / seconds, seen[-1]["num_cow_copies"]])
+    return rows
+
+def memory(args):
+    """Occupancy, waste and requests that fit a KV budget: paged (block sizes 8, 16, 32) against
+    a block of max_model_len per request. Random tiny weights: the accounting is the same."""
+    max_model_len = 1024
+    num_slots = args.num_requests // 4 * max_model_len   # the budget: a quarter of the requests
+    rows = sweep("random:tiny", (8, 16, 32, max_model_len), args.num_requests, None, num_slots,
+                 max_model_len)
+    rows = [["contiguous" if r[0] == max_model_len else "paged"] + r[:4] for r in rows]
+    report("memory", f"{args.num_requests} requests, a KV budget of {num_slots} token slots",
+           ["layout", "block_size", "token occupancy", "slots wasted", "requests at once"], rows,
+           f"At block_size 16, {rows[1][2]:.0%} of the reserved slots hold tokens, against "
+           f"{rows[-1][2]:.0%} when each request reserves max_model_len ({max_model_len}) up "
+           f"front: {rows[1][4] / rows[-1][4]:.1f}x as many requests run at once in the budget.")
+
+def throughput(args):
+    """The same requests through nanopaged and through transformers' generate on its own model:
+    one at a time, and static batches of 8 (left-padded), greedy, eos off."""
+    llm = LLM(args.model, device=args.device)
+    prompts, params = mixed_workload(llm, args.num_requests)
+    ours, seconds, _ = run(llm, "throughput, nanopaged", prompts, params, live=args.live)
+    hf = load_hf(args.model)[0].to(llm.device)
+    num_tokens = sum(p.max_tokens for p in params)
+    rows = [("nanopaged", seconds, num_tokens / seconds, 1.0, 1.0)]
+    for batch_size in (1, 8):
+        task = progress.add_task(f"throughput, transformers, batch {batch_size}", total=num_tokens)
+        t0 = time.perf_counter()
+        theirs = []
+        for i in range(0, len(prompts), batch_size):   # static batches: each runs to its longest
+            theirs += hf_generate(hf, prompts[i:i + batch_size], params[i:i + batch_size])
+            progress.advance(task, sum(p.max_tokens for p in params[i:i + batch_size]))
+        hf_seconds = time.perf_counter() - t0
+        progress.remove_task(task)
+        rows.append((f"transformers, batch {batch_size}", hf_seconds, num_tokens / hf_seconds,
+                     hf_seconds / seconds, mean(t == o[0] for t, o in zip(theirs, ours))))
+    report("throughput", f"{len(prompts)} mixed requests, {llm.device}, {llm.dtype}",
+           ["engine", "seconds", "output tokens/s", "nanopaged's speedup", "same tokens"], rows,
+           f"nanopaged is {rows[2][3]:.1f}x as fast as static batches of 8 and {rows[1][3]:.1f}x "
+           f"as fast as one request at a time; {rows[1][4]:.0%} of its outputs equal transformers' "
+           f"unpadded ones ({rows[2][4]:.0%} the padded ones).")
+
+def prefix(args):
+    """A system prompt of 400 tokens (25 full blocks) before each 12-token question; a request
+    arrives every other step. TTFT: from add_requests to the first token."""
+    rows = []
+    for caching in (True, False):
+        llm = LLM(args.model, device=args.device, enable_prefix_caching=caching)
+        text = corpus(llm)
+        prompts = [text[:400] + text[1000 + 37 * i:1012 + 37 * i] for i in range(args.num_prefix)]
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        task = progress.add_task(f"prefix, caching {caching}", total=len(prompts))
+        request_ids = []
+        while len(request_ids) < len(prompts) or llm.scheduler.has_unfinished():
+            arrives = llm.num_steps % 2 == 0 or not llm.scheduler.has_unfinished()
+            if len(request_ids) < len(prompts) and arrives:
+                request_ids += llm.add_requests([prompts[len(request_ids)]], params)
+            llm.step()
+            progress.update(task, completed=len(request_ids))
+        progress.remove_task(task)
+        s = llm.stats()
+        rows.append((f"caching {'on' if caching else 'off'}", s["num_prefill_tokens_computed"],
+                     s["prefix_cache_hit_rate"], mean(llm.output(r).ttft for r in request_ids)))
+    report("prefix", f"{len(prompts)} requests of 412 tokens sharing 400, one every other step",
+           ["prefix caching", "prefill tokens computed", "hit rate", "mean ttft (s)"], rows,
+           f"With prefix caching the engine computes {1 - rows[0][1] / rows[1][1]:.0%} fewer "
+           f"prompt tokens and the first token comes {rows[1][3] / rows[0][3]:.1f}x sooner.")
+
+def sharing(args):
+    """One prompt, block_size 16: peak blocks held against what the same tables would hold if
+    no block were shared."""
+    max_tokens = 16 if args.quick else 64
+    samples = SamplingParams(temperature=1.0, n=4, seed=0, max_tokens=max_tokens, ignore_eos=True)
+    rows = []
+    for name, params in (("sampling, n=4", samples), ("beam search, width 4",
+                                                     BeamSearchParams(4, max_tokens))):
+        llm = LLM(args.model, device=args.device, num_blocks=512)
+        _, _, seen = run(llm, f"sharing, {name}", [corpus(llm)[:100]], [params])
+        held = max(s["distinct_blocks"] for s in seen)
+        unshared = max(s["unshared_blocks"] for s in seen)
+        rows.append((name, held, unshared, held / unshared, seen[-1]["num_cow_copies"]))
+    report("sharing", f"one 100-token prompt, {max_tokens} new tokens, block_size 16",
+           ["workload", "blocks held", "unshared", "share of unshared", "copies"], rows,
+           f"Beams that share their prefix hold {rows[1][3]:.0%} of the blocks they would hold "
+           f"unshared; four samples hold {rows[0][3]:.0%}, sharing only the prompt.")
+
+def block_size(args):
+    """Half the mixed workload, every fourth request n=2, at block sizes 4 to 64."""
+    rows = sweep(args.model, (4, 8, 16, 32, 64), args.num_requests // 2, args.device)
+    rows = [[size, occupancy, tps, copies, copies * size]
+            for size, occupancy, _, _, tps, copies in rows]
+    fastest = max(rows, key=lambda r: r[2])[0]
+    report("block_size", f"{args.num_requests // 2} requests, every fourth one n=2",
+           ["block_size", "token occupancy", "output tokens/s", "copies", "slots copied"], rows,
+           f"Small blocks waste least ({rows[0][1]:.0%} occupied at 4, {rows[-1][1]:.0%} at 64) "
+           f"and copy fewest slots; block_size {fastest} was fastest here.")
+
+def preemption(args):
+    """The mixed workload in a pool of a third of its peak need, in every preemption mode."""
+    llm = LLM(args.model, device=args.device)
+    prompts, params = mixed_workload(llm, args.num_requests, seed=2)
+    want, _, seen = run(llm, "preemption, unconstrained", prompts, params)
+    need = max(llm.max_blocks_needed(len(p), q) for p, q in zip(prompts, params))
+    num_blocks = max(need, max(s["used_blocks"] for s in seen) // 3)
+    rows = []
+    for mode in ("recompute", "swap", "auto"):
+        llm = LLM(args.model, device=args.device, num_blocks=num_blocks, preemption_mode=mode,
+                  num_cpu_blocks=0 if mode == "recompute" else num_blocks)
+        got, seconds, _ = run(llm, f"preemption, {mode}", prompts, params)
+        s = llm.stats()
+        rows.append((mode, s["num_preemptions"], s["num_swapped_out_blocks"],
+                     s["num_generated_tokens"] / seconds, got == want))
+    report("preemption", f"{len(prompts)} requests in {num_blocks} blocks, a third of their peak",
+           ["mode", "preemptions", "blocks swapped out", "output tokens/s", "outputs equal"], rows,
+           "The unconstrained run's tokens, in every mode: " +
+           ", ".join(f"{r[0]} {'yes' if r[4] else 'NO'}" for r in rows) + ".")
+
+EXPERIMENTS = {"memory": memory, "throughput": throughput, "prefix": prefix, "sharing": sharing,
+               "block_size": block_size, "preemption": preemption}
 
 def main():
-    p = argparse.ArgumentParser(description="nanopaged benchmark: a mixed workload, block sharing")
-    p.add_argument("--quick", action="store_true", help="small sizes, a minute or two on 2 cores")
-    p.add_argument("--model", default=None,
-                   help="None: SmolLM2-135M-Instruct; a local directory; random:<preset>")
-    p.add_argument("--random-weights", action="store_true",
-                   help="random weights of the smollm2-135m shape (no files)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--live", action="store_true", help="watch the pool and the block tables")
+    p = argparse.ArgumentParser(description="nanopaged benchmark: the claims of paging, measured")
+    p.add_argument("--quick", action="store_true", help="smaller workloads (a few minutes)")
+    p.add_argument("--only", choices=EXPERIMENTS, help="run one experiment")
+    p.add_argument("--json", help="write every figure to this file")
+    p.add_argument("--model", help="None: SmolLM2-135M-Instruct; a directory; random:<preset>")
+    p.add_argument("--random-weights", action="store_true", help="random:smollm2-135m (no files)")
+    p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--live", action="store_true", help="watch the pool in the throughput run")
     args = p.parse_args()
-    model = "random:smollm2-135m" if args.random_weights else args.model
-    console = Console()
-    # 1. a mixed workload: every other request shares a system prompt, one samples n=2
-    llm = LLM(model, device=args.device, num_blocks=256 if args.quick else None)
-    g = torch.Generator().manual_seed(0)
-    n = 4 if args.quick else 8
-    prompts = [prompt(llm, i, system=i % 2 == 0, g=g) for i in range(n)]
-    params = [SamplingParams(temperature=0.7 if i % 3 == 0 else 0.0,
-                             max_tokens=int(torch.randint(8, 48, (1,), generator=g)),
-                             n=2 if i == 0 else 1, seed=i, ignore_eos=llm.tokenizer is None)
-              for i in range(n)]
-    seen = watch(llm)
+    args.model = "random:smollm2-135m" if args.random_weights else args.model
+    args.num_requests = 8 if args.quick else 32
+    args.num_prefix = 16 if args.quick else 32   # enough that the shared prefix dominates
+    machine = f"{platform.machine()}, {torch.get_num_threads()} threads, {args.device or 'default'}"
+    console.print(f"nanopaged bench: {args.model or 'SmolLM2-135M-Instruct'} on {machine}")
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, live=args.live)
-    elapsed = time.perf_counter() - t0
-    stats = llm.stats()
-    where = (f"{model or 'smollm2'}; {platform.machine()}, {torch.get_num_threads()} threads, "
-             f"{llm.device}, {llm.dtype}")
-    console.print(table(f"Outputs ({where})", ["request.sample", "tokens", "text"],
-                        [(f"{o.request_id}.{c.index}", len(c.token_ids),
-                          repr(c.text[:60]) if c.text else c.token_ids[:8])
-                         for o in outs for c in o.outputs]))
-    rows = [(k, f"{v:.3f}" if isinstance(v, float) else v) for k, v in stats.items()]
-    rows += [("peak kv_cache_usage_perc", f"{max(s[0] for s in seen):.3f}"),
-             ("mean token_occupancy_perc over steps", f"{sum(s[1] for s in seen) / len(seen):.3f}"),
-             ("steps", llm.num_steps),
-             ("output tokens per second", f"{stats['num_generated_tokens'] / elapsed:.1f}"),
-             ("mean ttft (s)", f"{sum(o.ttft for o in outs) / len(outs):.3f}")]
-    console.print(table("Engine metrics", ["metric", "value"], rows))
-    # 2. sharing: beams and samples of one prompt, blocks held at peak against unshared tables
-    rows = []
-    max_tokens = 16 if args.quick else 64
-    beams = BeamSearchParams(4, max_tokens)
-    samples = SamplingParams(temperature=1.0, n=4, max_tokens=max_tokens, ignore_eos=True)
-    for name, run in (("beam search, width 4",
-                       lambda l, p: l.beam_search([p], beams, live=args.live)),
-                      ("sampling, n=4", lambda l, p: l.generate([p], samples, live=args.live))):
-        llm = LLM(model, device=args.device, num_blocks=512)
-        seen = watch(llm)
-        run(llm, prompt(llm, 4) if llm.tokenizer else list(range(1, 60)))
-        shared = max(s[2] for s in seen)
-        unshared = max(s[3] for s in seen)
-        rows.append((name, shared, unshared, f"{shared / unshared:.0%}",
-                     llm.stats()["num_cow_copies"]))
-    console.print(table("Sharing between samples and beams (block_size 16, peak blocks)",
-                        ["workload", "blocks with sharing", "blocks without", "share of unshared",
-                         "copy-on-write copies"], rows))
+    with progress:
+        for name, experiment in EXPERIMENTS.items():
+            if args.only in (None, name):
+                experiment(args)
+    console.print(f"done in {time.perf_counter() - t0:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine, "model": args.model, "quick": args.quick,
+                       "experiments": results}, f, indent=1, default=str)
 
 if __name__ == "__main__":
     main()

@@ -11,10 +11,9 @@ Sequence i's q_len new tokens, q[qsl[i]:qsl[i+1]] with qsl = query_start_loc, ar
 its context_lens[i] tokens and attend causally to everything before them (q_len = 1 for a decode, a
 chunk for a prefill), with grouped-query attention (num_heads a multiple of num_kv_heads).
 
-Read it in order, as a Triton tutorial: the K/V write; the PyTorch reference (the CPU path, and
-the oracle the kernel is held to; the tests hold it to plain attention, one sequence at a time);
-the Triton kernel, with a comment on every argument; its launcher (and the flash-decoding switch,
-num_kv_splits); dispatch; the check; the benchmark.
+Read it in order, as a Triton tutorial: the K/V write; the PyTorch reference (the CPU path and
+the kernel's oracle; tests hold it to plain attention, a sequence at a time); the Triton kernel;
+its launcher and flash-decoding switch (num_kv_splits); dispatch; the check; the benchmark.
 
     python kernel.py    checks the kernel against the reference over 36 shapes (CPU: interpreted,
                         float32; CUDA: compiled, bfloat16); on CUDA it also times decode against
@@ -40,10 +39,8 @@ def store_kvcache(k, v, k_cache, v_cache, slot_mapping):
 # for the whole step at once, in plain PyTorch
 
 def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale):
-    """q and the result: (num_tokens, num_heads, head_dim); caches: (num_blocks, block_size,
-    kv_heads, head_dim); block_tables: (num_seqs, max_blocks); context_lens: (num_seqs,);
-    query_start_loc: (num_seqs + 1,). Decodes and prefill chunks go in two batches: padding a
-    decode's one query to the longest chunk would multiply its work."""
+    """Shapes: see paged_attention_kernel. Decodes and prefill chunks go in two batches: padding
+    a decode's one query to the longest chunk would multiply its work."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     group = q.shape[1] // num_kv_heads                                  # query heads per K/V head
     q_lens = query_start_loc.diff()                                     # (num_seqs,)
@@ -109,25 +106,20 @@ def paged_attention_kernel(
     out_ptr,              # (num_tokens, num_heads, head_dim) output, or (splits, ...) partials
     lse_ptr,              # (splits, num_tokens, num_heads) float32 log-sum-exp of each partial
     q_ptr,                # (num_tokens, num_heads, head_dim) new tokens' queries, back to back
-    k_cache_ptr,          # (num_blocks, block_size, num_kv_heads, head_dim) this layer's K pool
-    v_cache_ptr,          # the same for V
+    k_cache_ptr, v_cache_ptr,   # (num_blocks, block_size, num_kv_heads, head_dim): K, V pools
     block_tables_ptr,     # (num_seqs, max_blocks_per_seq) int32 physical block ids
     context_lens_ptr,     # (num_seqs,) int32 tokens in each context, new ones included
     query_start_loc_ptr,  # (num_seqs + 1,) int32: sequence i's new tokens are rows qsl[i]..
     scale,                # 1 / sqrt(head_dim)
-    stride_qt, stride_qh,           # q strides per token, per head (head_dim is contiguous)
-    stride_bt,                      # block table stride per sequence
+    stride_qt, stride_qh, stride_bt,   # q per token, per head (dim contiguous); table per seq
     stride_kb, stride_kt, stride_kh,   # cache strides per block, per slot, per KV head (V: same)
-    stride_ot, stride_oh, stride_os,   # output strides per token, per head, per split
-    stride_lt, stride_ls,           # lse strides per token, per split
+    stride_ot, stride_oh, stride_os, stride_lt, stride_ls,   # out per token, head, split; lse
     NUM_SPLITS: tl.constexpr,       # 1: the whole context in one program; >1: flash-decoding
-    GROUP: tl.constexpr,            # query heads per KV head
-    GROUP_P: tl.constexpr,          # GROUP rounded up to a power of 2
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr,   # query heads per KV head; to a power of 2
     BLOCK_M: tl.constexpr,          # new tokens per program (rows = BLOCK_M * GROUP_P)
     BLOCK_N: tl.constexpr,          # context tokens per tile
     BLOCK_SIZE: tl.constexpr,       # tokens per KV cache block
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,          # HEAD_DIM rounded up to a power of 2
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,   # head_dim; rounded up to a power of 2
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -191,21 +183,17 @@ def paged_attention_kernel(
         lse_offs = split * stride_ls + (q_start + t) * stride_lt + head
         tl.store(lse_ptr + lse_offs, lse, mask=row_ok)
 
-def next_pow2(n):
-    return 1 << (int(n) - 1).bit_length()
-
 def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
                            max_query_len=None, num_kv_splits=1, out=None):
-    """Launch the kernel. max_query_len: the most new tokens of one sequence (given, it saves a
-    device-to-host read). num_kv_splits > 1 turns on flash-decoding: each (sequence, KV head)
-    reads its context in that many slices at once, merged by log-sum-exp (num_kv_splits_for).
-    out: where to write (tests fill it with NaN, so that an unwritten row shows)."""
+    """Launch the kernel. max_query_len: the most new tokens of a sequence (given, it saves a
+    device-to-host read). num_kv_splits > 1: flash-decoding, each context read in that many slices
+    at once, merged by log-sum-exp. out: where to write (NaN in tests: unwritten rows show)."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
     max_query_len = max_query_len or int(query_start_loc.diff().max())
     # tl.dot wants at least 16 rows: decodes (1 token) fill them with the group's heads
     group = num_heads // num_kv_heads
-    group_p = next_pow2(group)
+    group_p = triton.next_power_of_2(group)
     block_m = max(1, (16 if max_query_len == 1 else 64) // group_p)
     num_tiles = triton.cdiv(max_query_len, block_m)
     grid = (block_tables.shape[0], num_kv_heads, num_tiles * num_kv_splits)
@@ -224,7 +212,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, quer
         lse.stride(1), lse.stride(0),
         NUM_SPLITS=num_kv_splits, GROUP=group, GROUP_P=group_p, BLOCK_M=block_m,
         BLOCK_N=64 if head_dim <= 64 else 32, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        BLOCK_D=next_pow2(head_dim))
+        BLOCK_D=triton.next_power_of_2(head_dim))
     if num_kv_splits > 1:   # merge: weight each slice's output by its share of the total exp-sum
         w = torch.softmax(lse, dim=0).nan_to_num(0.0)          # (splits, num_tokens, num_heads)
         out.copy_((w[..., None] * partial).sum(0))
@@ -300,37 +288,33 @@ def bench_decode(batches=(1, 8, 64, 256), contexts=(512, 1024, 2048, 4096, 8192,
     copy timed in the same run; its time against scaled_dot_product_attention on contiguous K/V."""
     from triton.testing import do_bench
     num_heads, num_kv_heads, head_dim, block_size = 32, 8, 128, 16
-    scale = head_dim ** -0.5
     bf16 = dict(dtype=torch.bfloat16, device="cuda")
-    i32 = dict(dtype=torch.int32, device="cuda")
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    copy_gbps = 2 * x.numel() / do_bench(lambda: y.copy_(x)) / 1e6   # read + write: GB/s
-    del x, y
+    copy_gbps = 2 * x.numel() / do_bench(lambda: x.clone()) / 1e6   # read + write: GB/s
+    del x
     rows = []
     print(f"device copy bandwidth (measured): {copy_gbps:.0f} GB/s")
     print("batch context splits       ms  MB read    GB/s of copy  sdpa ms / sdpa")
     for batch, ctx in [(b, c) for b in batches for c in contexts]:
-        # (num_blocks, block_size, kv_heads, head_dim) each
+        # (num_blocks, block_size, kv_heads, head_dim) each; each sequence's blocks shuffled
         k_cache, v_cache = torch.randn(2, batch * ctx // block_size, block_size, num_kv_heads,
                                        head_dim, **bf16)
         block_tables = torch.randperm(len(k_cache), device="cuda").view(batch, -1).int()
         q = torch.randn(batch, num_heads, head_dim, **bf16)    # one new token each
-        context_lens = torch.full((batch,), ctx, **i32)
-        qsl = torch.arange(batch + 1, **i32)
+        context_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
         splits = num_kv_splits_for(batch, num_kv_heads, ctx, num_sms(q.device))
-        args = (q, k_cache, v_cache, block_tables, context_lens, qsl, scale)
+        args = (q, k_cache, v_cache, block_tables, context_lens, qsl, head_dim ** -0.5)
         ms = do_bench(lambda: paged_attention_triton(*args, max_query_len=1, num_kv_splits=splits))
         nbytes = (2 * batch * ctx * num_kv_heads * head_dim + 2 * q.numel()) * q.element_size()
         # the same K/V, contiguous per sequence: (batch, kv_heads, ctx, head_dim)
-        k = k_cache[block_tables.long()].flatten(1, 2).transpose(1, 2).contiguous()
-        v = v_cache[block_tables.long()].flatten(1, 2).transpose(1, 2).contiguous()
-        sdpa_ms = do_bench(lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale,
-                                                                  enable_gqa=True))
-        gbps = nbytes / ms / 1e6
-        rows.append((batch, ctx, splits, ms, nbytes, gbps, sdpa_ms))
-        print(f"{batch:5} {ctx:7} {splits:6} {ms:8.3f} {nbytes / 1e6:8.1f} {gbps:7.0f} "
-              f"{gbps / copy_gbps:7.0%} {sdpa_ms:8.3f} {ms / sdpa_ms:6.2f}")
+        k, v = (c[block_tables.long()].flatten(1, 2).transpose(1, 2).contiguous()
+                for c in (k_cache, v_cache))
+        sdpa_ms = do_bench(lambda: F.scaled_dot_product_attention(q[:, :, None], k, v,
+                                                                  scale=args[-1], enable_gqa=True))
+        rows.append((batch, ctx, splits, ms, nbytes, nbytes / ms / 1e6, sdpa_ms))
+        print(f"{batch:5} {ctx:7} {splits:6} {ms:8.3f} {nbytes / 1e6:8.1f} {rows[-1][5]:7.0f} "
+              f"{rows[-1][5] / copy_gbps:7.0%} {sdpa_ms:8.3f} {ms / sdpa_ms:6.2f}")
         del k_cache, v_cache, k, v
     return rows, copy_gbps
 

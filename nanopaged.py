@@ -39,9 +39,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
-from rich.console import Console, Group
-from rich.live import Live
-from rich.text import Text
 
 from model import Batch, load_model   # transformers is imported only when a model is loaded
 
@@ -211,11 +208,10 @@ class Block:
     parent_entry: int | None = None   # the entry of the block before it (None: the first block)
 
 class BlockManager:
-    """Hands out blocks of the KV cache pool. Three kinds of block at any moment: used (ref_count
-    > 0), cached (ref_count 0 but registered in the prefix cache: its K/V may be reused until it
-    is evicted) and free. Allocate and free are O(1). An optional CPU pool of the same block shape
-    holds swapped-out requests. The engine, having written K/V, sets seq.num_computed_tokens and
-    calls cache_full_blocks(seq): only registered blocks are found by later prompts."""
+    """Hands out blocks of the KV cache pool, each used (ref_count > 0), cached (ref_count 0 but
+    registered in the prefix cache, its K/V reusable until evicted) or free, in O(1); a CPU pool
+    of the same block shape holds swapped-out requests. Whoever writes K/V sets
+    seq.num_computed_tokens and calls cache_full_blocks(seq): later prompts find those blocks."""
 
     def __init__(self, num_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=True,
                  events=None):
@@ -228,8 +224,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids = deque(range(num_blocks))   # truly free: nothing worth keeping inside
         self.cached_block_ids = OrderedDict()            # ref_count 0, registered; LRU order
-        # the prefix cache: chain hash -> registered block ids, an ordered set: several if a prefix
-        # was computed twice (one step, a swap-in, siblings recomputed apart) or hashes collided
+        # the prefix cache: chain hash -> registered block ids, an ordered set (see _cache_hits)
         self.hash_to_block_ids = {}
         self.entries = itertools.count()                 # numbers the prefix cache's registrations
         self.seqs = {}                                   # seq_id -> Sequence holding device blocks
@@ -348,10 +343,9 @@ class BlockManager:
 
     def allocate(self, seq, leader=None):
         """Give seq blocks for all its tokens: prefix-cache hits first, fresh blocks for the rest.
-        leader: a sibling allocated just before (a recomputed n>1 or beam request comes back
-        whole); seq then shares the blocks both hold the same tokens in, and the leader computes
-        them. That is the one time a block with ref_count > 1 is written: once, by one writer,
-        with the K/V every holder needs, before any of them reads it (seq.waits_for)."""
+        leader: a sibling allocated just before (a recomputed n>1 or beam request comes back whole)
+        whose blocks with the same tokens seq shares; the leader computes them, the one time a
+        block with ref_count > 1 is written: once, before any holder reads it (seq.waits_for)."""
         assert not seq.block_table, f"seq {seq.seq_id} already holds blocks"
         if leader is None:
             shared = self._cache_hits(seq)
@@ -518,10 +512,9 @@ class BlockManager:
         states = Counter([*self.free_block_ids, *self.cached_block_ids, *used])
         wrong = [b for b in range(self.num_blocks) if states[b] != 1]
         assert not wrong, f"partition: blocks {wrong} are not in exactly one of free, cached, used"
-        assert all(self.blocks[b].hash is not None for b in self.cached_block_ids), \
-            "cached: a block has no hash"
-        assert all(self.blocks[b].hash is None for b in self.free_block_ids), \
-            "free: a block still has a hash"
+        for b in self.blocks:   # of the blocks nobody holds, the cached ones, and only they, hash
+            assert b.ref_count or (b.hash is not None) == (b.block_id in self.cached_block_ids), \
+                f"cached: block {b.block_id} is cached without a hash, or free with one"
         for h, bucket in self.hash_to_block_ids.items():
             assert bucket and all(self.blocks[b].hash == h for b in bucket), \
                 f"hash map: {h} lists another's block"
@@ -566,9 +559,8 @@ class ScheduledBatch:
     requests: list = field(default_factory=list)         # the request of each
     num_new_tokens: list = field(default_factory=list)   # tokens each computes: 1, or a chunk
     num_tokens: int = 0                                  # sum of num_new_tokens
-    # block copies to make before the model runs, in the order they were decided (a later one
-    # may overwrite a block an earlier one reads): ("copy", src, dst) copy-on-write inside the
-    # device pool, ("swap out", device, cpu) and ("swap in", cpu, device) between the pools
+    # block copies to make before the model runs, in the order decided (a later one may overwrite
+    # what an earlier one reads): ("copy", src, dst), ("swap out", dev, cpu), ("swap in", cpu, dev)
     block_copies: list = field(default_factory=list)
 
     @property
@@ -593,11 +585,10 @@ class ScheduledBatch:
 
 @dataclass
 class PreemptionCost:
-    """What preemption_mode='auto' weighs, measured on this machine. Recomputing a request costs
-    a prefill of its tokens: tokens * seconds_per_token, the engine's own average over its steps
-    (an upper estimate: a step's fixed overhead is spread over its tokens; prefix hits may save
-    more). Swapping costs moving its distinct blocks out and back in: 2 * blocks * bytes_per_block
-    / copy bandwidth, measured when the engine starts by timing a round trip of a few blocks."""
+    """What preemption_mode='auto' weighs, measured here. A recompute costs tokens *
+    seconds_per_token, the engine's average over its steps (an upper estimate: a step's fixed cost
+    is spread over its tokens). A swap costs 2 * blocks * bytes_per_block / copy bandwidth, timed
+    when the engine starts by a round trip of a few blocks."""
     bytes_per_block: int
     swap_bytes_per_second: float
     seconds_per_token: float = 0.0   # 0 until the first step is measured
@@ -611,9 +602,8 @@ class PreemptionCost:
         return swap_seconds < num_tokens * self.seconds_per_token
 
 class Scheduler:
-    """First come, first served continuous batching over requests, in the order schedule() tells,
-    under a token budget per step. A running sequence that cannot get a block preempts the newest
-    running request (swapped to the CPU pool, or freed to be recomputed)."""
+    """First come, first served continuous batching of requests under a token budget per step
+    (schedule() tells the order); a sequence short of a block preempts the newest request."""
 
     def __init__(self, block_manager, max_num_seqs=256, max_num_batched_tokens=2048,
                  watermark=0.01, eos_token_ids=(), preemption_mode="auto", cost=None):
@@ -680,8 +670,7 @@ class Scheduler:
                     preempted = True
                 if request.status is RequestStatus.RUNNING:
                     self._schedule_seq(request, seq, batch)
-        # 2. swapped requests come back before any new one; not in a step that had to preempt:
-        #    blocks are short, and what was freed is for the running requests' next tokens
+        # 2. swapped requests come back before any new one, but not in a step that had to preempt
         while self.swapped and not preempted and not batch.is_full:
             request = self.swapped[0]
             if not self._fits(request) or not bm.can_swap_in(request.seqs[0], self._watermark()):
@@ -730,9 +719,8 @@ class Scheduler:
         return "swap" if self.cost.swap_is_cheaper(num_tokens, num_blocks) else "recompute"
 
     def preempt(self, request, batch, mode=None):
-        """Take a running request's blocks back, all its sequences at once. Swap: move them to the
-        CPU pool; it resumes where it was. Recompute: free them (the prefix cache may keep much)
-        and queue the request in front; its generated tokens are computed again as prompt."""
+        """Take a running request's blocks back, all at once: swapped to the CPU pool, to resume
+        where it was, or freed (the prefix cache may keep much), to be recomputed, in front."""
         mode = mode or self._choose_mode(request)
         held = sorted({b for s in request.seqs for b in s.block_table})
         self.events.record("preempt", [s.seq_id for s in request.seqs], held, note=mode)
@@ -760,9 +748,8 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def postprocess(self, batch, sampled):
-        """After the model ran: advance each sequence, register its newly full blocks in the prefix
-        cache, append sampled tokens (forking n>1 samples at their first token), finish sequences.
-        sampled: seq -> list of token ids (n of them at the first token of an n>1 request)."""
+        """After the model ran: advance each sequence, register its newly full blocks, append the
+        tokens sampled (seq -> ids; n of them, forking, at an n>1 request's first), finish some."""
         now = time.perf_counter()
         for request, seq, num_new in zip(batch.requests, batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += num_new
@@ -802,9 +789,8 @@ class Scheduler:
             request.status = RequestStatus.FINISHED
 
     def recompute_all(self):
-        """After a step that failed partway (its block copies, its K/V writes may not have happened)
-        every request holding blocks gives them back, to be recomputed from its tokens, which are
-        safe. Registered blocks stay cached: they were computed before and never written again."""
+        """After a step that failed partway (its copies, its K/V writes may not have happened),
+        every request gives its blocks back, to be recomputed from its tokens, which are safe."""
         holders = sorted(self.running + self.swapped, key=lambda r: r.request_id)
         for request in reversed(holders):   # the newest first, so that the oldest ends in front
             self._recompute(request)
@@ -880,9 +866,8 @@ class EventLog:
 # ----------------------------------------------------------------------------------------------
 # 5. The engine
 
-# what generate() returns. outputs: n CompletionOutputs, by sample index; finish_reason: "stop"
-# (eos) or "length" (max_tokens); token_ids: the output's tokens, after the prompt; ttft: seconds
-# from arrival to the first token; tpot: seconds per later token (mean over the samples)
+# what generate() returns. outputs: n CompletionOutputs by sample index, finish_reason "stop" (eos)
+# or "length", token_ids after the prompt; ttft, tpot: seconds to the first token, per later one
 RequestOutput = namedtuple("RequestOutput", "request_id prompt_token_ids outputs ttft tpot")
 CompletionOutput = namedtuple("CompletionOutput", "index token_ids text finish_reason")
 
@@ -930,7 +915,12 @@ class LLM:
         # a block holds K and V of block_size tokens in every layer: one block id serves all layers
         kv_size = cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
         bytes_per_block = 2 * cfg.num_layers * block_size * kv_size
-        num_blocks = num_blocks or self._default_num_blocks(bytes_per_block)
+        # the pool by default: on CUDA most of what the weights leave free (as vLLM's
+        # gpu_memory_utilization), on a CPU 1 GiB
+        if num_blocks is None:
+            cuda = self.device.type == "cuda"
+            budget = 0.8 * torch.cuda.mem_get_info(self.device)[0] if cuda else 1 << 30
+            num_blocks = max(1, int(budget // bytes_per_block))
         num_cpu_blocks = num_cpu_blocks or int((swap_space or 0) * (1 << 30) // bytes_per_block)
         require(preemption_mode != "swap" or num_cpu_blocks >= 1,
                 f"swap_space {swap_space} GiB holds no block of {bytes_per_block} bytes")
@@ -945,9 +935,8 @@ class LLM:
         self.events = EventLog(debug=debug_blocks)
         self.block_manager = BlockManager(num_blocks, block_size, num_cpu_blocks,
                                           enable_prefix_caching, self.events)
-        cost = None
-        if num_cpu_blocks:
-            cost = PreemptionCost(bytes_per_block, self._measure_swap_bandwidth())
+        cost = PreemptionCost(bytes_per_block, self._measure_swap_bandwidth()) \
+            if num_cpu_blocks else None
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
                                    eos_token_ids=eos_token_ids, preemption_mode=preemption_mode,
                                    cost=cost)
@@ -971,18 +960,11 @@ class LLM:
         num_bytes = 2 * self.kv_cache[:, :, probe].numel() * self.dtype.itemsize
         return num_bytes / max(seconds, 1e-9)
 
-    def _default_num_blocks(self, bytes_per_block):
-        # CUDA: most of what the weights leave free (as vLLM's gpu_memory_utilization); CPU: 1 GiB
-        cuda = self.device.type == "cuda"
-        budget = 0.8 * torch.cuda.mem_get_info(self.device)[0] if cuda else 1 << 30
-        return max(1, int(budget // bytes_per_block))
-
     # -- requests in
 
     def max_blocks_needed(self, num_prompt_tokens, params):
-        """The most blocks a request can hold at once: its prompt's full blocks, shared by all n
-        sequences (even after a preemption), and each sequence's own blocks at full length. The
-        scheduler keeps the promise this makes, that a request alone in the pool always finishes."""
+        """The most blocks a request holds at once: its prompt's full blocks, shared by all n (even
+        after a preemption), and each one's own at full length. Alone in a pool this big it ends."""
         bs = self.block_manager.block_size
         written = num_prompt_tokens + params.max_tokens - 1   # the last token ends it, unwritten
         shared = num_prompt_tokens // bs
@@ -1049,18 +1031,14 @@ class LLM:
         per prompt; live: watch it in the terminal (View). Returns a RequestOutput per prompt."""
         request_ids = self.add_requests(prompts, params)
         self._run(request_ids, live)
-        return [self._output(self.requests.pop(r)) for r in request_ids]
+        return [self.output(r) for r in request_ids]
 
     def beam_search(self, prompts, params, live=False):
         """Keep the beam_width most likely continuations of each prompt (section 6). Returns one
         BeamSearchOutput per prompt, its sequences best first."""
         request_ids = self.add_requests(prompts, params, kind=BeamSearchParams)
         self._run(request_ids, live)
-        outputs = [beam_output(self.requests.pop(r), self._detokenize) for r in request_ids]
-        # an eos ends a hypothesis without joining a beam: it counts only if it is returned
-        eos_ended = [s for o in outputs for s in o.sequences if s.finish_reason == "stop"]
-        self.num_generated_tokens += len(eos_ended)
-        return outputs
+        return [self.output(r) for r in request_ids]
 
     def _run(self, request_ids, live=False):
         """Step until these requests finish (watched, if live). If a step raises, they are
@@ -1074,6 +1052,20 @@ class LLM:
             for r in request_ids:
                 self.scheduler.abort(self.requests.pop(r))
             raise
+
+    def output(self, request_id):
+        """What a finished request made (after add_requests and step() to its end), taken out of
+        the engine: a RequestOutput, or a BeamSearchOutput for beam search."""
+        request = self.requests.get(request_id)
+        require(request is not None and request.status is RequestStatus.FINISHED,
+                f"request {request_id} is unknown, unfinished or already returned")
+        del self.requests[request_id]
+        if not request.is_beam_search:
+            return self._output(request)
+        out = beam_output(request, self._detokenize)
+        # an eos ends a hypothesis without joining a beam: it counts only if it is returned
+        self.num_generated_tokens += sum(s.finish_reason == "stop" for s in out.sequences)
+        return out
 
     def _output(self, request):
         seqs = sorted(request.finished, key=lambda s: s.index)
@@ -1229,10 +1221,9 @@ class LLM:
 # ----------------------------------------------------------------------------------------------
 # 6. Beam search: the beams of a request are forks of one another, on shared blocks
 #
-# Each round every live beam offers its 2 * beam_width most likely next tokens (vLLM's rule); an
-# eos candidate completes a hypothesis, the beam_width best of the others live on. A beam chosen
-# twice forks (ref_count + 1, no copy), a beam not chosen is freed, and only a shared, partly
-# filled last block is ever copied (on write). The common prefix of the beams stays shared.
+# Each round every live beam offers its 2 * beam_width likeliest next tokens (vLLM's rule); an eos
+# candidate completes a hypothesis, the beam_width best others live on: a beam chosen twice forks
+# (ref_count + 1, no copy), one not chosen is freed, and the beams' common prefix stays shared.
 
 # a beam and one of its next tokens, with the log-probability the beam would then have
 BeamCandidate = namedtuple("BeamCandidate", "cum_logprob beam token")
@@ -1288,20 +1279,19 @@ def beam_output(request, detokenize):
     return BeamSearchOutput(request.request_id, request.prompt_token_ids, sequences)
 
 # ----------------------------------------------------------------------------------------------
-# 7. The live view: the pool, the block tables, the metrics and the story, after every step
-#    (drawn with rich; skip this section on a first reading)
+# 7. The live view, drawn with rich after every step (skip this section on a first reading)
+
+from rich.console import Console, Group  # noqa: E402  (the view's alone: rich is imported here)
+from rich.live import Live  # noqa: E402
+from rich.text import Text  # noqa: E402
 
 HOLDER_COLOURS = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "orange3"]
 
 class View:
-    """Draws the engine after every step (an LLM.on_step callback): the device pool, a cell per
-    block with its ref_count in the colour of the request holding it (bold: shared; white: several
-    requests), the CPU pool beside it; a row per sequence with its block table (*: shared); the
-    metrics; the last events. live: redraw in place; else a trace, a plain snapshot per step.
-
-        with View(llm):                 # or llm.generate(prompts, params, live=True)
-            llm.generate(prompts, params)
-    """
+    """Draws the engine after every step (an LLM.on_step callback): the pools, a cell per block
+    with its ref_count in its holder's colour (bold: shared; white: several requests); a row per
+    sequence with its block table (*: shared); the metrics; the last events. live: redraw in
+    place; else a trace. `with View(llm): llm.generate(...)`, or generate(..., live=True)."""
 
     def __init__(self, llm, live=True, console=None, delay=0.0, svg=None):
         self.llm = llm
@@ -1452,25 +1442,23 @@ class View:
 SYSTEM = "You are a helpful assistant. Answer in one short sentence.\n"
 QUESTIONS = ["What is a cache?", "Why is the sky blue?", "What is a prime number?",
              "Name a planet.", "What does a scheduler do?"]
-# name: (what it shows, engine arguments); block_size 4 in every demo: a screen shows every block
-DEMOS = {
-    "mix": ("all of the below in one small pool (the default)",
-            dict(num_blocks=24, num_cpu_blocks=12, preemption_mode="swap")),
-    "prefix": ("a system prompt computed once, found in the prefix cache by later requests",
-               dict(num_blocks=64)),
-    "fork": ("n=4 samples share their prompt's blocks; the last block is copied on write",
-             dict(num_blocks=48)),
-    "beam": ("beam search, width 3: beams fork and die on shared blocks", dict(num_blocks=64)),
-    "preempt": ("five requests in a small pool: swapped out, recomputed when the CPU pool is full",
-                dict(num_blocks=36, num_cpu_blocks=14, preemption_mode="swap")),
-    "evict": ("finished requests' blocks stay cached until new prompts evict them, oldest first",
-              dict(num_blocks=12)),
+DEMOS = {   # name: what it shows
+    "mix": "all of the below in one small pool (the default)",
+    "prefix": "a system prompt computed once, found in the prefix cache by later requests",
+    "fork": "n=4 samples share their prompt's blocks; the last block is copied on write",
+    "beam": "beam search, width 3: beams fork and die on shared blocks",
+    "preempt": "five requests in a small pool: swapped out, recomputed when the CPU pool is full",
+    "evict": "finished requests' blocks stay cached until new prompts evict them, oldest first",
 }
+# each demo's pool, of 4-token blocks: small enough for a screen to show every block
+DEMO_POOLS = {"mix": dict(num_blocks=24, num_cpu_blocks=12, preemption_mode="swap"),
+              "prefix": dict(num_blocks=64), "fork": dict(num_blocks=48),
+              "beam": dict(num_blocks=64), "evict": dict(num_blocks=12),
+              "preempt": dict(num_blocks=36, num_cpu_blocks=14, preemption_mode="swap")}
 
 def demo_waves(name, text):
-    """The demo's requests as waves [(prompts, params)], run one after the other: a later wave
-    finds what earlier ones left in the cache. text(s) makes a prompt for the engine's model.
-    Outputs run to max_tokens (ignore_eos), so that every run of a demo fills the same blocks."""
+    """The demo's requests as waves [(prompts, params)], one after the other (a later wave finds
+    what earlier ones left cached), outputs to max_tokens; text(s) makes a prompt of a text."""
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     longer = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     samples = SamplingParams(temperature=0.8, n=4, max_tokens=10, ignore_eos=True, seed=0)
@@ -1486,8 +1474,8 @@ def demo_waves(name, text):
     }[name]
 
 def demo_text(llm):
-    """How a demo's text becomes a prompt: the text itself, or with random weights (no
-    tokenizer) one made-up token id per word, so that prompts are as long as real ones."""
+    """A demo text as a prompt: itself, or for random weights (no tokenizer) one made-up token id
+    per word, so that prompts are as long as real ones."""
     if llm.tokenizer is not None:
         return lambda s: s
     return lambda s: [sum(w.encode()) % llm.model.config.vocab_size for w in s.split()]
@@ -1513,7 +1501,7 @@ def run_demo(llm, name, live=False, trace=False, delay=0.0, svg=None):
 def main():
     p = argparse.ArgumentParser(
         description="nanopaged: run a demo through a paged KV cache and watch its blocks",
-        epilog="demos: " + "; ".join(f"{name}: {what}" for name, (what, _) in DEMOS.items()))
+        epilog="demos: " + "; ".join(f"{name}: {what}" for name, what in DEMOS.items()))
     p.add_argument("--demo", default="mix", choices=DEMOS, help="which demo to run (see below)")
     p.add_argument("--live", action="store_true", help="redraw the pool and tables every step")
     p.add_argument("--trace", action="store_true", help="print a plain snapshot every step")
@@ -1524,14 +1512,12 @@ def main():
     p.add_argument("--block-size", type=int, default=4, help="tokens per KV cache block")
     p.add_argument("--num-blocks", type=int, help="blocks in the pool (default: the demo's)")
     p.add_argument("--num-cpu-blocks", type=int, help="blocks in the CPU swap pool")
-    p.add_argument("--preemption-mode", choices=["recompute", "swap", "auto"],
-                   help="what the newest request does when blocks run out")
+    p.add_argument("--preemption-mode", choices=["recompute", "swap", "auto"], help="see README")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     p.add_argument("--max-num-batched-tokens", type=int, help="tokens a step computes at most")
-    p.add_argument("--debug-blocks", action="store_true",
-                   help="log every ref-count change, allocation, copy, eviction and swap to stderr")
+    p.add_argument("--debug-blocks", action="store_true", help="log every block event to stderr")
     args = p.parse_args()
-    kwargs = dict(DEMOS[args.demo][1], block_size=args.block_size, debug_blocks=args.debug_blocks,
+    kwargs = dict(DEMO_POOLS[args.demo], block_size=args.block_size, debug_blocks=args.debug_blocks,
                   enable_prefix_caching=not args.no_prefix_caching)
     optional = ("num_blocks", "num_cpu_blocks", "preemption_mode", "max_num_batched_tokens")
     kwargs.update({k: getattr(args, k) for k in optional if getattr(args, k) is not None})

@@ -291,7 +291,7 @@ def test_a_failed_step_leaves_the_other_requests_exact():
     while llm.scheduler.has_unfinished():
         llm.step()
         llm.block_manager.check_invariants()
-    assert [c.token_ids for c in llm._output(llm.requests.pop(other_id)).outputs] == want
+    assert [c.token_ids for c in llm.output(other_id).outputs] == want
     assert_no_block_held(llm)
 
 

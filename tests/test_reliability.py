@@ -114,7 +114,7 @@ def test_swap_out_and_in_keeps_kv_and_continues_exactly():
     assert request.status.value in ("running", "finished")
     while llm.scheduler.has_unfinished():
         llm.step()
-    out = llm._output(llm.requests.pop(request_id))
+    out = llm.output(request_id)
     assert [c.token_ids for c in out.outputs] == want
     assert_no_block_held(llm)
 

@@ -11,7 +11,7 @@ import pytest
 from rich.console import Console
 
 from conftest import assert_no_block_held, checked
-from nanopaged import DEMOS, LLM, RequestStatus, View, demo_text, demo_waves
+from nanopaged import DEMO_POOLS, DEMOS, LLM, RequestStatus, View, demo_text, demo_waves
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -73,7 +73,7 @@ def check_frame(text, llm, report):
 def test_view_shows_every_block_table_and_metric_as_the_engine_has_them():
     """On a run with prefix hits, forks with copy-on-write, a swap and evictions, every frame's
     cells, tables, states and metrics equal the engine's at that step."""
-    llm = checked(LLM("random:tiny", block_size=4, **DEMOS["mix"][1]))
+    llm = checked(LLM("random:tiny", block_size=4, **DEMO_POOLS["mix"]))
     console = Console(record=True, width=200, color_system=None, file=io.StringIO())
     kinds = set()
 
@@ -94,8 +94,8 @@ def test_view_shows_every_block_table_and_metric_as_the_engine_has_them():
 
 def test_a_frame_fits_an_80x24_terminal():
     """Every frame of the default demo fits 80 columns and 24 lines, thousands of blocks too."""
-    for num_blocks in (DEMOS["mix"][1]["num_blocks"], 5000):
-        llm = LLM("random:tiny", block_size=4, **{**DEMOS["mix"][1], "num_blocks": num_blocks})
+    for num_blocks in (DEMO_POOLS["mix"]["num_blocks"], 5000):
+        llm = LLM("random:tiny", block_size=4, **{**DEMO_POOLS["mix"], "num_blocks": num_blocks})
         console = Console(width=80, height=24, file=io.StringIO(), color_system=None)
         view = View(llm, live=True, console=console)   # not entered: frames are only measured
         sizes = []
