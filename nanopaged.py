@@ -525,8 +525,7 @@ class BlockManager:
             for i, block_id in enumerate(seq.block_table):
                 block = self.blocks[block_id]
                 parent = self.blocks[seq.block_table[i - 1]] if i else None
-                assert block.hash is None or (
-                    block.token_ids == self._tokens(seq, i)
+                assert block.hash is None or (block.token_ids == self._tokens(seq, i)
                     and block.hash == self._block_hash(seq, i)
                     and block.parent_entry == (parent.entry if parent else None)), \
                     f"hash map: seq {seq.seq_id} block {i} ({block_id}) is another prefix's"
@@ -1482,7 +1481,7 @@ def demo_text(llm):
 
 def run_demo(llm, name, live=False, trace=False, delay=0.0, svg=None):
     """Run a demo's waves through llm, watched (live), traced (a snapshot per step) or neither;
-    print every output. Returns the view's share of the run's time (0 without a view)."""
+    print every output. Returns the run's seconds and the view's drawing seconds (0 without)."""
     view = View(llm, live=live, delay=delay, svg=svg) if live or trace or svg else None
     t0 = time.perf_counter()
     with view or contextlib.nullcontext():
@@ -1496,7 +1495,7 @@ def run_demo(llm, name, live=False, trace=False, delay=0.0, svg=None):
                             for o in llm.generate(prompts, params) for c in o.outputs]
     for request_id, text_or_ids, how in outputs:
         print(f"[{request_id}] {text_or_ids!r}  ({how})")
-    return view.draw_seconds / (time.perf_counter() - t0) if view else 0.0
+    return time.perf_counter() - t0, view.draw_seconds if view else 0.0
 
 def main():
     p = argparse.ArgumentParser(
@@ -1523,14 +1522,15 @@ def main():
     kwargs.update({k: getattr(args, k) for k in optional if getattr(args, k) is not None})
     llm = LLM(args.model, device=args.device, **kwargs)
     try:
-        share = run_demo(llm, args.demo, args.live, args.trace, args.delay, args.svg)
+        seconds, drawing = run_demo(llm, args.demo, args.live, args.trace, args.delay, args.svg)
     except KeyboardInterrupt:   # Ctrl-C: the view has given the terminal back
         print(f"interrupted after step {llm.num_steps}")
         sys.exit(130)
     for k, v in llm.stats().items():
         print(f"{k:28} {v:.3f}" if isinstance(v, float) else f"{k:28} {v}")
-    if args.live:
-        print(f"the view took {share:.1%} of the run's time")
+    if not args.trace:   # a trace repeats exactly: it prints no timings
+        print(f"{llm.num_generated_tokens / seconds:.1f} tokens/s generated in {seconds:.1f} s"
+              + (f", {drawing / seconds:.1%} of it drawing the view" if args.live else ""))
 
 if __name__ == "__main__":
     main()
