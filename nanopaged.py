@@ -525,7 +525,8 @@ class BlockManager:
             for i, block_id in enumerate(seq.block_table):
                 block = self.blocks[block_id]
                 parent = self.blocks[seq.block_table[i - 1]] if i else None
-                assert block.hash is None or (block.token_ids == self._tokens(seq, i)
+                assert block.hash is None or (
+                    block.token_ids == self._tokens(seq, i)
                     and block.hash == self._block_hash(seq, i)
                     and block.parent_entry == (parent.entry if parent else None)), \
                     f"hash map: seq {seq.seq_id} block {i} ({block_id}) is another prefix's"
@@ -916,8 +917,8 @@ class LLM:
         bytes_per_block = 2 * cfg.num_layers * block_size * kv_size
         # the pool by default: on CUDA most of what the weights leave free (as vLLM's
         # gpu_memory_utilization), on a CPU 1 GiB
+        cuda = self.device.type == "cuda"
         if num_blocks is None:
-            cuda = self.device.type == "cuda"
             budget = 0.8 * torch.cuda.mem_get_info(self.device)[0] if cuda else 1 << 30
             num_blocks = max(1, int(budget // bytes_per_block))
         num_cpu_blocks = num_cpu_blocks or int((swap_space or 0) * (1 << 30) // bytes_per_block)
@@ -929,8 +930,7 @@ class LLM:
         # the CPU tier: the same block shape in host memory, pinned on CUDA for async copies
         # (2, num_layers, num_cpu_blocks, block_size, kv_heads, head_dim)
         cpu_shape = shape[:2] + (num_cpu_blocks,) + shape[3:]
-        pin = self.device.type == "cuda"
-        self.cpu_cache = torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=pin)
+        self.cpu_cache = torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=cuda)
         self.events = EventLog(debug=debug_blocks)
         self.block_manager = BlockManager(num_blocks, block_size, num_cpu_blocks,
                                           enable_prefix_caching, self.events)
