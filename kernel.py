@@ -13,7 +13,9 @@ chunk for a prefill), with grouped-query attention (num_heads a multiple of num_
 
 Read it in order, as a Triton tutorial: the K/V write; the PyTorch reference (the CPU path and
 the kernel's oracle; tests hold it to plain attention, a sequence at a time); the Triton kernel;
-its launcher and flash-decoding switch (num_kv_splits); dispatch; the check; the benchmark.
+its launcher and flash-decoding switch (num_kv_splits); dispatch, where the reading path ends.
+After it: the check and the benchmark. A first reading skips every NUM_SPLITS branch (the
+flash-decoding split and merge, a speed trick for long contexts and few sequences).
 
     python kernel.py    checks the kernel against the reference over 36 shapes (CPU: interpreted,
                         float32; CUDA: compiled, bfloat16); on CUDA it also times decode against
@@ -115,12 +117,15 @@ def paged_attention_kernel(
     stride_kb, stride_kt, stride_kh,   # cache strides per block, per slot, per KV head (V: same)
     stride_ot, stride_oh, stride_os, stride_lt, stride_ls,   # out per token, head, split; lse
     NUM_SPLITS: tl.constexpr,       # 1: the whole context in one program; >1: flash-decoding
-    GROUP: tl.constexpr, GROUP_P: tl.constexpr,   # query heads per KV head; to a power of 2
-    BLOCK_M: tl.constexpr,          # new tokens per program (rows = BLOCK_M * GROUP_P)
+    GROUP: tl.constexpr,            # query heads per KV head
+    GROUP_PADDED: tl.constexpr,     # GROUP rounded up to a power of 2 (tl.arange needs one)
+    BLOCK_M: tl.constexpr,          # new tokens per program (rows = BLOCK_M * GROUP_PADDED)
     BLOCK_N: tl.constexpr,          # context tokens per tile
     BLOCK_SIZE: tl.constexpr,       # tokens per KV cache block
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,   # head_dim; rounded up to a power of 2
 ):
+    # (a first reading skips the NUM_SPLITS branches: flash-decoding, where several programs
+    # read one context in slices and their partial outputs are merged after the kernel)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     tile = tl.program_id(2) // NUM_SPLITS
@@ -131,10 +136,10 @@ def paged_attention_kernel(
     if tile * BLOCK_M >= q_len:
         return   # this sequence has fewer new tokens than the grid allows for
     # 1. the rows: token t of this tile, query head h of this KV head's group
-    rows = tl.arange(0, BLOCK_M * GROUP_P)
+    rows = tl.arange(0, BLOCK_M * GROUP_PADDED)
     d = tl.arange(0, BLOCK_D)
-    t = tile * BLOCK_M + rows // GROUP_P
-    h = rows % GROUP_P
+    t = tile * BLOCK_M + rows // GROUP_PADDED
+    h = rows % GROUP_PADDED
     row_ok = (t < q_len) & (h < GROUP)
     q_pos = ctx - q_len + t                  # each new token's position in its sequence
     head = kv_head * GROUP + h
@@ -146,9 +151,9 @@ def paged_attention_kernel(
     per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), NUM_SPLITS) * BLOCK_N
     kv_lo = split * per_split
     kv_hi = tl.minimum(kv_end, (split + 1) * per_split)
-    m = tl.full([BLOCK_M * GROUP_P], float("-inf"), tl.float32)   # running max of the scores
-    l = tl.zeros([BLOCK_M * GROUP_P], tl.float32)                 # running sum of exp(s - m)
-    acc = tl.zeros([BLOCK_M * GROUP_P, BLOCK_D], tl.float32)      # running sum of p * V
+    m = tl.full([BLOCK_M * GROUP_PADDED], float("-inf"), tl.float32)   # running max of scores
+    l = tl.zeros([BLOCK_M * GROUP_PADDED], tl.float32)                 # running sum of exp(s - m)
+    acc = tl.zeros([BLOCK_M * GROUP_PADDED, BLOCK_D], tl.float32)      # running sum of p * V
     for n in range(kv_lo, kv_hi, BLOCK_N):
         # 3. the block-table walk: token pos lives in block_table[pos // BLOCK_SIZE], at slot
         #    pos % BLOCK_SIZE of that block
@@ -193,8 +198,8 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, quer
     max_query_len = max_query_len or int(query_start_loc.diff().max())
     # tl.dot wants at least 16 rows: decodes (1 token) fill them with the group's heads
     group = num_heads // num_kv_heads
-    group_p = triton.next_power_of_2(group)
-    block_m = max(1, (16 if max_query_len == 1 else 64) // group_p)
+    group_padded = triton.next_power_of_2(group)
+    block_m = max(1, (16 if max_query_len == 1 else 64) // group_padded)
     num_tiles = triton.cdiv(max_query_len, block_m)
     grid = (block_tables.shape[0], num_kv_heads, num_tiles * num_kv_splits)
     out = torch.empty_like(q) if out is None else out
@@ -210,7 +215,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, quer
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         partial.stride(-3), partial.stride(-2), partial.stride(0) if num_kv_splits > 1 else 0,
         lse.stride(1), lse.stride(0),
-        NUM_SPLITS=num_kv_splits, GROUP=group, GROUP_P=group_p, BLOCK_M=block_m,
+        NUM_SPLITS=num_kv_splits, GROUP=group, GROUP_PADDED=group_padded, BLOCK_M=block_m,
         BLOCK_N=64 if head_dim <= 64 else 32, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim))
     if num_kv_splits > 1:   # merge: weight each slice's output by its share of the total exp-sum
@@ -254,6 +259,11 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
         splits = num_kv_splits_for(len(block_tables), k_cache.shape[2], max_context_len,
                                    num_sms(q.device))
     return paged_attention_triton(*args, max_query_len, splits)
+
+# ==============================================================================================
+# reading path ends here: the reference, the kernel's block-table walk and the dispatch are above;
+# below, for a second reading, the check against the reference and the benchmark
+# ==============================================================================================
 
 # ----------------------------------------------------------------------------------------------
 # Check: a random pool and batch, the kernel against the reference

@@ -7,8 +7,9 @@ into the slot the block manager gave it, and attends through block tables (kerne
 whole contract between an inference engine's memory system and its model.
 
 Read it in order: the shape presets, the layers (RMSNorm, rotary embeddings, grouped-query
-attention, SwiGLU), the forward pass, then weight loading (the default GGUF model, a local Hugging
-Face directory, or random weights). `python model.py` loads the default model and prints its shape.
+attention, SwiGLU), the forward pass; the reading path ends there. After it, weight loading (the
+default GGUF model, a local Hugging Face directory, or random weights). `python model.py` loads
+the default model and prints its shape.
 """
 import dataclasses
 import functools
@@ -161,6 +162,11 @@ class Llama(nn.Module):
             x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], batch)
         # logits (the vocabulary matmul) only for the last token of a sequence ending its chunk
         return self.lm_head(self.norm(x[batch.logits_indices])).float()
+
+# ==============================================================================================
+# reading path ends here: the model's use of the cache is above; below, for a second reading,
+# how its weights are loaded
+# ==============================================================================================
 
 # ----------------------------------------------------------------------------------------------
 # Loading weights: transformers reads the files (GGUF, safetensors), we take its tensors

@@ -9,18 +9,18 @@ table mapping its logical blocks to physical ones. That one indirection buys:
     hash chain), samples of one prompt share its blocks (fork), counted by ref_count;
   - copy-on-write: a shared block is copied only when somebody must write into it;
   - preemption: when blocks run out, the newest request gives its blocks back, swapped to a CPU
-    pool of the same block shape or freed to be recomputed later;
-  - beam search on shared blocks: beams fork and die every step, their common prefix stays shared.
+    pool of the same block shape or freed to be recomputed later.
 
-Read it in the order one request travels:
+Read it from the top down to the banner that ends the reading path: the engine in the order
+one request travels, with every mechanism of its memory system.
   1. SamplingParams, BeamSearchParams, Sequence, Request    what a request is
-  2. BlockManager        the block pool: allocate, prefix cache, fork, copy-on-write, free, swap
-  3. Scheduler           which tokens run this step; preemption when blocks run out
-  4. Event, EventLog     what happened, as records: the debug log prints them
-  5. LLM                 the engine: block copies, tensors for the model, sampling, one step
-  6. beam search         the engine's beams: forks of one another on shared blocks
-  7. View                the live view (skip it on a first reading)
-  8. command line        demos that provoke each mechanism
+  2. Block, Pool, BlockManager    the block pools: allocate with prefix-cache hits, copy-on-write,
+                                  fork, free and eviction, swap between the device and the CPU
+  3. ScheduledBatch, Scheduler    which tokens run this step; preemption when blocks run out
+  4. LLM                          the engine: block copies, tensors for the model, sampling, step
+After the line, for a second reading: 5. API guards (every check of an argument or a request),
+6. invariant checks, 7. events and the debug log, 8. the cost model of preemption_mode='auto',
+9. failure recovery, 10. beam search, 11. the live view, 12. the command line and its demos.
 
     python nanopaged.py --live           watch the default demo: the pool, every block table
     python nanopaged.py --demo fork --trace    a plain-text snapshot per step, for handouts
@@ -39,34 +39,14 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
+from rich.console import Console, Group
+from rich.live import Live
+from rich.text import Text
 
 from model import Batch, load_model   # transformers is imported only when a model is loaded
 
 # ----------------------------------------------------------------------------------------------
 # 1. What a request is
-
-def require(ok, message):
-    """Bad input stops at the API, before anything changes: a ValueError saying what is allowed."""
-    if not ok:
-        raise ValueError(message)
-
-def is_int(x):
-    return isinstance(x, int) and not isinstance(x, bool)   # True is an int to Python, not to us
-
-def is_number(x):   # a finite int or float
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-def require_int(name, x, low, note=""):   # a ValueError naming the parameter and its bound
-    require(is_int(x) and x >= low, f"{name} must be an int >= {low}{note}, got {x!r}")
-
-def require_bool(name, x):
-    require(isinstance(x, bool), f"{name} must be a bool, got {x!r}")
-
-def check_seed(seed):
-    require(is_int(seed) and 0 <= seed < 2**63, f"seed must be an int in [0, 2**63), got {seed!r}")
-
-MIN_TEMPERATURE = 0.01   # logits / temperature overflow float32 near 1e-38; 0 means greedy
-MIN_TOP_P = 1e-6         # top_p is compared with float32 probabilities, where 1e-300 is 0
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -79,17 +59,7 @@ class SamplingParams:
     seed: int | None = None    # None: derived from the engine's seed and the request id
 
     def __post_init__(self):
-        t = self.temperature
-        require(is_number(t) and (t == 0 or t >= MIN_TEMPERATURE),
-                f"temperature must be 0 (greedy) or a number >= {MIN_TEMPERATURE}, got {t!r}")
-        require(is_number(self.top_p) and MIN_TOP_P <= self.top_p <= 1,
-                f"top_p must be a number in (0, 1], at least {MIN_TOP_P}, got {self.top_p!r}")
-        require_int("top_k", self.top_k, 0, " (0 keeps every token)")
-        require_int("max_tokens", self.max_tokens, 1)
-        require_int("n", self.n, 1)
-        require_bool("ignore_eos", self.ignore_eos)
-        if self.seed is not None:
-            check_seed(self.seed)
+        check_sampling_params(self)   # (section 5, API guards)
 
 @dataclass(frozen=True)
 class BeamSearchParams:
@@ -99,14 +69,10 @@ class BeamSearchParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        require_int("beam_width", self.beam_width, 1)
-        require_int("max_tokens", self.max_tokens, 1)
-        require(is_number(self.length_penalty),
-                f"length_penalty must be a finite number, got {self.length_penalty!r}")
-        require_bool("ignore_eos", self.ignore_eos)
+        check_beam_search_params(self)
 
     @property
-    def n(self):   # the most sequences the request holds at once: what _validate sizes the pool by
+    def n(self):   # the most sequences the request holds at once: what the pool is sized by
         return self.beam_width
 
 class Sequence:
@@ -122,9 +88,9 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0     # tokens with K/V in the cache, or due from waits_for
         self.num_cached_tokens = 0       # of those, found in the prefix cache at the last allocate
-        self.block_table = []            # physical block ids: token i is in block_table[i // bs]
+        self.block_table = []            # physical block ids: token i: block_table[i // block_size]
         self.block_hashes = []           # hash chain over its full blocks (BlockManager)
-        self.waits_for = None            # the sibling that computes the blocks this one shares
+        self.waits_for = None            # a sibling computing the blocks they share (_admit)
         self.prefill_until = 0           # tokens before it are prefill (set at admission)
         self.finish_reason = None        # "stop" (eos), "length" (max_tokens), "pruned" (beam)
         self.finish_time = None
@@ -145,6 +111,13 @@ class Sequence:
     def append_token(self, token_id):
         self.token_ids.append(token_id)
 
+    def fork(self, index=0):
+        """A new sequence of the same request with this one's tokens: sample `index`, or a beam.
+        Its blocks are this one's, shared: BlockManager.fork."""
+        child = Sequence(self.token_ids, self.request_id, index)
+        child.num_prompt_tokens = self.num_prompt_tokens
+        return child
+
 class RequestStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -153,7 +126,8 @@ class RequestStatus(Enum):
 
 class Request:
     """One prompt and its params: the unit the scheduler admits, preempts and swaps, always whole
-    (all its samples or beams). It starts as one sequence; n>1 samples fork at the first token."""
+    (all its samples or beams). It starts as one sequence; n>1 samples fork from it as they draw
+    their first tokens (Scheduler.postprocess)."""
 
     def __init__(self, request_id, token_ids, params, seed):
         self.request_id = request_id
@@ -161,8 +135,8 @@ class Request:
         self.prompt_token_ids = list(token_ids)
         self.status = RequestStatus.WAITING
         self.seqs = [Sequence(token_ids, request_id)]   # live sequences, in the order they forked
-        self.finished = []    # sequences that ended: samples to return, beams that were dropped
-        self.completed = []   # beam search: BeamHypothesis records, the candidates for the output
+        self.finished = []     # sequences that ended: samples to return, beams that were dropped
+        self.hypotheses = []   # beam search: BeamHypothesis records, the candidates for the output
         # one random stream per sample, so that a sample's draws never depend on the schedule
         # (which samples shared a step, who was preempted): sample i always draws from stream i
         sampling = not self.is_beam_search and params.temperature > 0
@@ -176,42 +150,51 @@ class Request:
         return isinstance(self.params, BeamSearchParams)
 
     @property
-    def forked(self):   # has it sampled its first token, where n>1 samples fork?
+    def past_first_token(self):   # has it sampled its first token (where n>1 samples fork)?
         return bool(self.finished) or self.seqs[0].num_output_tokens > 0
 
     @property
     def max_num_running_seqs(self):
         """What the request counts against max_num_seqs: n (or beam_width) from its admission on,
         so that its forks always fit; once its samples have forked, the ones still live."""
-        return self.params.n if self.is_beam_search or not self.forked else len(self.seqs)
+        if self.is_beam_search or not self.past_first_token:
+            return self.params.n
+        return len(self.seqs)
 
 # ----------------------------------------------------------------------------------------------
-# 2. The block pool
-
-def check_pool_args(num_blocks, block_size, num_cpu_blocks):
-    require(is_int(block_size) and block_size >= 1 and not block_size & (block_size - 1),
-            f"block_size must be a positive power of two (1, 2, 4, ... 16 ...), got {block_size!r}")
-    require_int("num_blocks", num_blocks, 1)
-    require_int("num_cpu_blocks", num_cpu_blocks, 0)
+# 2. The block pools
 
 @dataclass
 class Block:
     block_id: int
-    ref_count: int = 0        # live block tables that hold this block
-    # set while the block is registered in the prefix cache (full, computed, immutable). A hit
-    # needs the same hash, the same tokens, and parent_entry == the entry of the block matched
-    # before it: a hash can collide and tokens say nothing of the prefix, but by induction the
-    # whole prefix then matches. No entry is reused: the children of an evicted block stop matching.
-    hash: int | None = None           # chain hash of the prefix up to and including this block
-    token_ids: tuple = ()             # this block's tokens
-    entry: int | None = None          # its registration number
-    parent_entry: int | None = None   # the entry of the block before it (None: the first block)
+    ref_count: int = 0   # live block tables that hold this block
+    # set while the block is registered in the prefix cache (full, computed, immutable):
+    hash: int | None = None               # chain hash of the prefix up to and including it
+    token_ids: tuple = ()                 # this block's tokens
+    prefix_id: int | None = None          # names the prefix this block ends (see _cache_hits)
+    parent_prefix_id: int | None = None   # names the prefix before it (None: the first block)
+
+class Pool:
+    """One tier of blocks of one shape, the device pool or the CPU pool. Each block is used
+    (ref_count > 0), cached (ref_count 0 but registered in the prefix cache: its K/V reusable
+    until evicted) or free, and moves between these in O(1)."""
+
+    def __init__(self, name, num_blocks):
+        self.name = name
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_block_ids = deque(range(num_blocks))   # nothing worth keeping inside
+        self.cached_block_ids = OrderedDict()            # ref_count 0, registered; LRU order
+        self.seqs = {}   # seq_id -> Sequence whose block table holds this pool's block ids
+
+    @property
+    def num_free_blocks(self):
+        """Blocks allocatable now: truly free ones plus cached ones nobody holds (evictable)."""
+        return len(self.free_block_ids) + len(self.cached_block_ids)
 
 class BlockManager:
-    """Hands out blocks of the KV cache pool, each used (ref_count > 0), cached (ref_count 0 but
-    registered in the prefix cache, its K/V reusable until evicted) or free, in O(1); a CPU pool
-    of the same block shape holds swapped-out requests. Whoever writes K/V sets
-    seq.num_computed_tokens and calls cache_full_blocks(seq): later prompts find those blocks."""
+    """Hands out the blocks of the device pool, which attention reads, and of a CPU pool that
+    holds swapped-out requests. Whoever writes K/V sets seq.num_computed_tokens and calls
+    cache_full_blocks(seq): later prompts find those blocks in the prefix cache."""
 
     def __init__(self, num_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=True,
                  events=None):
@@ -220,31 +203,22 @@ class BlockManager:
         self.block_size = block_size
         self.num_cpu_blocks = num_cpu_blocks
         self.enable_prefix_caching = enable_prefix_caching
-        self.events = events or EventLog()
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_block_ids = deque(range(num_blocks))   # truly free: nothing worth keeping inside
-        self.cached_block_ids = OrderedDict()            # ref_count 0, registered; LRU order
-        # the prefix cache: chain hash -> registered block ids, an ordered set (see _cache_hits)
+        self.events = events or EventLog()   # what happened, for the view and the debug log
+        self.device = Pool("device", num_blocks)
+        self.cpu = Pool("cpu", num_cpu_blocks)
+        # the prefix cache: chain hash -> the registered blocks under it, an ordered set
         self.hash_to_block_ids = {}
-        self.entries = itertools.count()                 # numbers the prefix cache's registrations
-        self.seqs = {}                                   # seq_id -> Sequence holding device blocks
-        # the CPU tier: swapped-out sequences hold CPU block ids in their block tables
-        self.cpu_blocks = [Block(i) for i in range(num_cpu_blocks)]
-        self.free_cpu_block_ids = deque(range(num_cpu_blocks))
-        self.swapped_seqs = {}                           # seq_id -> Sequence holding CPU blocks
+        self.prefix_ids = itertools.count()
         # metrics, counted as they happen (vLLM's names where vLLM has one)
-        self.prefix_cache_queries = 0                    # tokens looked up
-        self.prefix_cache_hits = 0                       # tokens found
+        self.prefix_cache_queries = 0   # tokens looked up
+        self.prefix_cache_hits = 0      # tokens found
         self.num_cow_copies = 0
         self.num_evictions = 0
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
 
-    def _record(self, kind, seq, block):   # the debug log's ref-count events
-        self.events.record(kind, [seq.seq_id], [block.block_id], note=block.ref_count)
-
     # -- the hash chain: h[i] = H(h[i-1], tokens of block i), so one dictionary look-up finds a
-    #    whole prefix. Hashes can collide; _cache_hits checks what the hash only summarises.
+    #    block that ends a given prefix. Hashes can collide; _cache_hits checks what they summarise.
 
     @staticmethod
     def compute_hash(parent_hash, token_ids):
@@ -263,110 +237,104 @@ class BlockManager:
         return seq.block_hashes[i]
 
     def _cache_hits(self, seq):
-        """The longest chain of registered blocks holding seq's prefix (what matches: Block). A
-        prefix two requests computed in one step is two chains: each is tried, the longest wins."""
-        chains = {None: []}   # entry of a matching chain's last block -> that chain
+        """The registered blocks that hold seq's prefix, found by one walk along its hash chain.
+        A hit needs the hash, the same tokens, and the same prefix before it: a hash can collide
+        and tokens say nothing of what came before, but by induction the whole prefix matches.
+        A prefix is named by a prefix_id, not by its block's id: block ids are reused after an
+        eviction, prefix ids never; two requests that computed one prefix in the same step hold
+        two copies of it, registered under one prefix_id."""
+        hits = []
+        prefix_id = None   # the prefix matched so far (None: nothing yet)
         # the last token is always computed (its logits are needed): its block cannot hit
         num_hittable = (len(seq) - 1) // self.block_size if self.enable_prefix_caching else 0
         for i in range(num_hittable):
             tokens = self._tokens(seq, i)
-            longer = {}
-            for block_id in self.hash_to_block_ids.get(self._block_hash(seq, i), ()):
-                block = self.blocks[block_id]
-                if block.token_ids == tokens and block.parent_entry in chains:
-                    longer[block.entry] = chains[block.parent_entry] + [block]
-            if not longer:
+            bucket = self.hash_to_block_ids.get(self._block_hash(seq, i), ())
+            same = [self.device.blocks[b] for b in bucket]
+            same = [b for b in same if b.token_ids == tokens and b.parent_prefix_id == prefix_id]
+            if not same:
                 break   # a chain: after the first miss no later block can be this prefix's
-            chains = longer
-        # of equally long chains, the one with the most held blocks: hits on it cost no free block
-        return max(chains.values(), key=lambda chain: sum(b.ref_count > 0 for b in chain))
+            block = max(same, key=lambda b: b.ref_count > 0)   # a held copy costs no free block
+            hits.append(block)
+            prefix_id = block.prefix_id
+        return hits
 
-    # -- taking and returning single blocks
+    # -- taking and returning single blocks, in either pool
 
     @property
     def num_free_blocks(self):
-        """Blocks allocatable now: truly free ones plus cached ones nobody holds (evictable)."""
-        return len(self.free_block_ids) + len(self.cached_block_ids)
+        """Device blocks allocatable now, evictable cached ones included."""
+        return self.device.num_free_blocks
 
-    def _take_free_block(self, seq):
-        if self.free_block_ids:
-            block = self.blocks[self.free_block_ids.popleft()]
+    def _take_block(self, pool, seq):
+        if pool.free_block_ids:
+            block = pool.blocks[pool.free_block_ids.popleft()]
         else:   # evict the cached block freed longest ago: its K/V are lost to the prefix cache
-            block = self.blocks[self.cached_block_ids.popitem(last=False)[0]]
-            bucket = self.hash_to_block_ids[block.hash]
-            del bucket[block.block_id]
-            if not bucket:
-                del self.hash_to_block_ids[block.hash]
-            block.hash = block.entry = block.parent_entry = None
-            block.token_ids = ()
+            block = pool.blocks[pool.cached_block_ids.popitem(last=False)[0]]
+            self._unregister(block)
             self.num_evictions += 1
             self.events.record("evict", [], [block.block_id])
         block.ref_count = 1
-        self._record("allocate", seq, block)
+        self.events.record_ref(pool, "allocate", seq, block)
         return block.block_id
 
-    def _hold(self, block, seq):
+    def _hold(self, pool, block, seq):
         if block.ref_count == 0:   # a cached block comes back to life
-            del self.cached_block_ids[block.block_id]
+            del pool.cached_block_ids[block.block_id]
         block.ref_count += 1
-        self._record("ref+1", seq, block)
+        self.events.record_ref(pool, "ref+1", seq, block)
 
-    def _release(self, block, seq):
+    def _release(self, pool, block, seq):
         block.ref_count -= 1
-        self._record("ref-1", seq, block)
+        self.events.record_ref(pool, "ref-1", seq, block)
         if block.ref_count == 0 and block.hash is not None:
-            self.cached_block_ids[block.block_id] = None   # most recently freed: evicted last
-            self._record("cache", seq, block)
+            pool.cached_block_ids[block.block_id] = None   # most recently freed: evicted last
+            self.events.record_ref(pool, "cache", seq, block)
         elif block.ref_count == 0:
-            self.free_block_ids.append(block.block_id)
-            self._record("free", seq, block)
+            pool.free_block_ids.append(block.block_id)
+            self.events.record_ref(pool, "free", seq, block)
 
     # -- whole sequences
 
     def _num_blocks_for(self, num_tokens):
         return (num_tokens + self.block_size - 1) // self.block_size
 
-    def _num_shared(self, leader, seq):
-        """Blocks seq shares with leader, a sibling allocated first: the leading blocks that hold
-        the same tokens in both, before the block of either one's last token (its writer's own)."""
+    def _take_blocks_for_all_tokens(self, seq):
+        for _ in range(self._num_blocks_for(len(seq)) - len(seq.block_table)):
+            seq.block_table.append(self._take_block(self.device, seq))
+
+    def num_shared(self, leader, seq):
+        """Blocks seq can share with leader, its sibling: the leading blocks that hold the same
+        tokens in both, before the block of either one's last token (its writer's own)."""
         limit = (min(len(seq), len(leader)) - 1) // self.block_size
         differ = (i for i in range(limit) if self._tokens(leader, i) != self._tokens(seq, i))
         return next(differ, limit)
 
     def can_allocate(self, seq, watermark=0, siblings=()):
-        """Would allocating seq, then each sibling with leader=seq, leave `watermark` blocks free? A
-        hit on a cached (unheld) block takes one from the free count too; on a held one, nothing."""
-        need = self._num_blocks_for(len(seq)) - sum(b.ref_count > 0 for b in self._cache_hits(seq))
+        """Would allocating seq, then forking each sibling from it, leave `watermark` blocks free?
+        A hit on a cached (unheld) block takes one from the free count too; on a held one, none."""
+        hits = self._cache_hits(seq)
+        need = self._num_blocks_for(len(seq)) - sum(b.ref_count > 0 for b in hits)
         for s in siblings:
-            need += self._num_blocks_for(len(s)) - self._num_shared(seq, s)
+            need += self._num_blocks_for(len(s)) - self.num_shared(seq, s)
         return self.num_free_blocks - need >= watermark
 
-    def allocate(self, seq, leader=None):
-        """Give seq blocks for all its tokens: prefix-cache hits first, fresh blocks for the rest.
-        leader: a sibling allocated just before (a recomputed n>1 or beam request comes back whole)
-        whose blocks with the same tokens seq shares; the leader computes them, the one time a
-        block with ref_count > 1 is written: once, before any holder reads it (seq.waits_for)."""
+    def allocate(self, seq):
+        """Give seq blocks for all its tokens: prefix-cache hits first, then fresh blocks."""
         assert not seq.block_table, f"seq {seq.seq_id} already holds blocks"
-        if leader is None:
-            shared = self._cache_hits(seq)
-        else:
-            shared = [self.blocks[b] for b in leader.block_table[:self._num_shared(leader, seq)]]
-        for block in shared:
-            self._hold(block, seq)
-        seq.block_table = [b.block_id for b in shared]
-        for _ in range(self._num_blocks_for(len(seq)) - len(shared)):
-            seq.block_table.append(self._take_free_block(seq))
-        seq.num_computed_tokens = len(shared) * self.block_size
-        seq.num_cached_tokens = seq.num_computed_tokens if leader is None else 0
-        held = [b.block_id for b in shared]
-        if leader is not None:   # the request's fork, made again
-            self.events.record("fork", [seq.seq_id], held, note=leader.seq_id)
-        elif shared:
-            self.events.record("prefix hit", [seq.seq_id], held, note=seq.num_cached_tokens)
-        if self.enable_prefix_caching and leader is None:
+        hits = self._cache_hits(seq)
+        for block in hits:
+            self._hold(self.device, block, seq)
+        seq.block_table = [b.block_id for b in hits]
+        self._take_blocks_for_all_tokens(seq)
+        seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
+        if hits:
+            self.events.record("prefix hit", [seq.seq_id], seq.block_table[:len(hits)],
+                               note=seq.num_cached_tokens)
+        if self.enable_prefix_caching:
             self.prefix_cache_queries += len(seq)
             self.prefix_cache_hits += seq.num_cached_tokens
-        self.seqs[seq.seq_id] = seq
+        self.device.seqs[seq.seq_id] = seq
 
     def _needs_new_block(self, seq):
         # the next step writes the K/V of seq's last token; its block may not exist yet
@@ -374,7 +342,8 @@ class BlockManager:
 
     def _needs_copy(self, seq):
         # ... or exist but be shared, and a block with ref_count > 1 is never written
-        return not self._needs_new_block(seq) and self.blocks[seq.block_table[-1]].ref_count > 1
+        last = seq.block_table[-1]
+        return not self._needs_new_block(seq) and self.device.blocks[last].ref_count > 1
 
     def can_append(self, seq):
         """Can append_slot(seq) get the block it needs (a new one, or a copy of a shared one)?"""
@@ -384,39 +353,42 @@ class BlockManager:
         """Make sure the slot of seq's last token exists and may be written. Returns (src, dst)
         when a shared block had to be copied first (copy-on-write), else None."""
         if self._needs_new_block(seq):
-            seq.block_table.append(self._take_free_block(seq))
+            seq.block_table.append(self._take_block(self.device, seq))
         elif self._needs_copy(seq):   # shared and partly filled: this writer gets its own copy
-            src = self.blocks[seq.block_table[-1]]
-            dst = self._take_free_block(seq)
-            self._release(src, seq)
+            src = self.device.blocks[seq.block_table[-1]]
+            dst = self._take_block(self.device, seq)
+            self._release(self.device, src, seq)
             seq.block_table[-1] = dst
             self.num_cow_copies += 1
             self.events.record("copy", [seq.seq_id], [src.block_id], [dst])
             return src.block_id, dst
         return None
 
-    def fork(self, parent, child):
-        """child shares every block of parent: no K/V is copied, each block's ref_count goes up."""
-        for block_id in parent.block_table:
-            self._hold(self.blocks[block_id], child)
-        child.request_id = parent.request_id   # swapped and preempted together
-        child.block_table = list(parent.block_table)
-        child.block_hashes = list(parent.block_hashes)
-        child.num_computed_tokens = parent.num_computed_tokens
-        self.seqs[child.seq_id] = child
-        self.events.record("fork", [child.seq_id], parent.block_table, note=parent.seq_id)
+    def fork(self, parent, child, num_blocks=None):
+        """child shares parent's first num_blocks blocks (all, by default): no K/V is copied, each
+        block's ref_count goes up, and fresh blocks hold the rest of child's tokens. A sample
+        forked as it is drawn shares everything (it has parent's tokens, all computed); a
+        recomputed sample shares what it has in common with its leader, which computes it."""
+        shared = parent.block_table[:num_blocks]
+        for block_id in shared:
+            self._hold(self.device, self.device.blocks[block_id], child)
+        child.block_table = list(shared)
+        self._take_blocks_for_all_tokens(child)
+        child.block_hashes = parent.block_hashes[:len(shared)]
+        child.num_computed_tokens = min(len(child), len(shared) * self.block_size)
+        self.device.seqs[child.seq_id] = child
+        self.events.record("fork", [child.seq_id], shared, note=parent.seq_id)
 
     def free(self, seq):
-        """Drop seq's hold on its blocks (CPU blocks, if swapped out), tail first: the tail is then
-        evicted before the prefix, which other requests are likelier to share."""
-        if self.swapped_seqs.pop(seq.seq_id, None) is not None:
-            for cpu_id in seq.block_table:
-                self._release_cpu(cpu_id)
-        else:
-            for block_id in reversed(seq.block_table):
-                self._release(self.blocks[block_id], seq)
-            self.seqs.pop(seq.seq_id, None)
+        """Drop seq's hold on its blocks, in whichever pool its table points into, tail first: the
+        tail is then evicted before the prefix, which other requests are likelier to share."""
+        pool = self.cpu if seq.seq_id in self.cpu.seqs else self.device
+        for block_id in reversed(seq.block_table):
+            self._release(pool, pool.blocks[block_id], seq)
+        pool.seqs.pop(seq.seq_id, None)
         seq.block_table = []
+
+    # -- the prefix cache: a full, computed block is registered, so later prompts find it
 
     def cache_full_blocks(self, seq):
         """Register seq's blocks that are full and computed in the prefix cache (after a step).
@@ -425,117 +397,81 @@ class BlockManager:
             return
         end = seq.num_computed_tokens // self.block_size
         start = end   # registered blocks form a prefix of the block table: find where it stops
-        while start > 0 and self.blocks[seq.block_table[start - 1]].hash is None:
+        while start > 0 and self.device.blocks[seq.block_table[start - 1]].hash is None:
             start -= 1
         for i in range(start, end):
-            block = self.blocks[seq.block_table[i]]
+            block = self.device.blocks[seq.block_table[i]]
             block.hash = self._block_hash(seq, i)
-            block.entry = next(self.entries)
-            block.parent_entry = self.blocks[seq.block_table[i - 1]].entry if i else None
             block.token_ids = self._tokens(seq, i)
-            self.hash_to_block_ids.setdefault(block.hash, {})[block.block_id] = None
-            self.events.record("register", [seq.seq_id], [block.block_id], note=block.entry)
+            parent = self.device.blocks[seq.block_table[i - 1]] if i else None
+            block.parent_prefix_id = parent.prefix_id if parent else None
+            bucket = self.hash_to_block_ids.setdefault(block.hash, {})
+            # a copy of a registered prefix (computed twice in one step) takes its prefix_id
+            key = (block.token_ids, block.parent_prefix_id)
+            twins = [self.device.blocks[b] for b in bucket]
+            twins = [b for b in twins if (b.token_ids, b.parent_prefix_id) == key]
+            block.prefix_id = twins[0].prefix_id if twins else next(self.prefix_ids)
+            bucket[block.block_id] = None
+            self.events.record("register", [seq.seq_id], [block.block_id], note=block.prefix_id)
 
-    # -- the CPU tier: a whole request moves, each distinct block once, so sharing survives
+    def _unregister(self, block):
+        bucket = self.hash_to_block_ids[block.hash]
+        del bucket[block.block_id]
+        if not bucket:
+            del self.hash_to_block_ids[block.hash]
+        block.hash = block.prefix_id = block.parent_prefix_id = None
+        block.token_ids = ()
 
-    def _request(self, seqs, request_id):
-        return [s for s in seqs.values() if s.request_id == request_id]
+    # -- swapping: a request's sequences move between the pools together, each distinct block
+    #    once, so that the blocks they share stay shared
 
-    def can_swap_out(self, seq):
-        distinct = {b for s in self._request(self.seqs, seq.request_id) for b in s.block_table}
-        return len(distinct) <= len(self.free_cpu_block_ids)
+    def can_swap_out(self, *seqs):
+        distinct = {b for s in seqs for b in s.block_table}
+        return len(distinct) <= self.cpu.num_free_blocks
 
-    def swap_out(self, seq):
-        """Move seq's request (all its sequences) to the CPU pool. Returns [(device_block,
-        cpu_block)] for the engine to copy, one pair per distinct block."""
-        mapping = {}   # device block id -> cpu block id
-        seqs = self._request(self.seqs, seq.request_id)
-        for s in seqs:
-            for i, block_id in reversed(list(enumerate(s.block_table))):   # tail first, as free()
-                if block_id not in mapping:
-                    mapping[block_id] = self.free_cpu_block_ids.popleft()
-                self.cpu_blocks[mapping[block_id]].ref_count += 1
-                self._release(self.blocks[block_id], s)
-                s.block_table[i] = mapping[block_id]
-            self.swapped_seqs[s.seq_id] = self.seqs.pop(s.seq_id)
-        self.num_swapped_out_blocks += len(mapping)
-        self.events.record("swap out", [s.seq_id for s in seqs], mapping, mapping.values())
-        return list(mapping.items())
-
-    def _release_cpu(self, cpu_id):
-        self.cpu_blocks[cpu_id].ref_count -= 1
-        if self.cpu_blocks[cpu_id].ref_count == 0:
-            self.free_cpu_block_ids.append(cpu_id)
-
-    def can_swap_in(self, seq, watermark=0):
-        """Room for the request's distinct blocks and for what its next step writes: a new block
-        for a sequence whose last block is full, a copy for each extra holder of a shared one."""
-        seqs = self._request(self.swapped_seqs, seq.request_id)
+    def can_swap_in(self, *seqs, watermark=0):
+        """Room for the sequences' distinct blocks and for what their next step writes: a new
+        block for each whose last block is full; for a shared last block, a copy for each writer
+        but the last holder, who writes it in place (copy-on-write, as in append_slot)."""
         writers = [s for s in seqs if len(s) > s.num_computed_tokens]
         distinct = {b for s in seqs for b in s.block_table}
         new = sum(self._needs_new_block(s) for s in writers)
         last = [s.block_table[-1] for s in writers if not self._needs_new_block(s)]
-        copies = sum(min(last.count(b), self.cpu_blocks[b].ref_count - 1) for b in set(last))
+        copies = sum(min(last.count(b), self.cpu.blocks[b].ref_count - 1) for b in set(last))
         return self.num_free_blocks - len(distinct) - new - copies >= watermark
 
-    def swap_in(self, seq):
-        """Move seq's request back to the device pool. Returns [(cpu_block, device_block)]."""
-        mapping = {}   # cpu block id -> device block id
-        seqs = self._request(self.swapped_seqs, seq.request_id)
-        for s in seqs:
-            for i, cpu_id in enumerate(s.block_table):
-                if cpu_id not in mapping:
-                    mapping[cpu_id] = self._take_free_block(s)
+    def swap_out(self, *seqs):
+        """Move seqs (a request's sequences) to the CPU pool. Returns [(device_block, cpu_block)]
+        for the engine to copy, one pair per distinct block."""
+        pairs = self._move(seqs, self.device, self.cpu)
+        self.num_swapped_out_blocks += len(pairs)
+        self.events.record("swap out", [s.seq_id for s in seqs], *zip(*pairs))
+        return pairs
+
+    def swap_in(self, *seqs):
+        """Move seqs back to the device pool. Returns [(cpu_block, device_block)]."""
+        pairs = self._move(seqs, self.cpu, self.device)
+        self.num_swapped_in_blocks += len(pairs)
+        self.events.record("swap in", [s.seq_id for s in seqs], *zip(*pairs))
+        return pairs
+
+    def _move(self, seqs, src, dst):
+        """Repoint seqs' block tables from pool src to pool dst: each distinct block gets one
+        block of dst, which every table that held it holds. Tail first, as in free()."""
+        mapping = {}   # block id in src -> block id in dst
+        for seq in seqs:
+            for i in reversed(range(len(seq.block_table))):
+                block_id = seq.block_table[i]
+                if block_id in mapping:
+                    self._hold(dst, dst.blocks[mapping[block_id]], seq)
                 else:
-                    self._hold(self.blocks[mapping[cpu_id]], s)
-                self._release_cpu(cpu_id)
-                s.block_table[i] = mapping[cpu_id]
-            self.seqs[s.seq_id] = self.swapped_seqs.pop(s.seq_id)
-        self.num_swapped_in_blocks += len(mapping)
-        self.events.record("swap in", [s.seq_id for s in seqs], mapping, mapping.values())
+                    mapping[block_id] = self._take_block(dst, seq)
+                self._release(src, src.blocks[block_id], seq)
+                seq.block_table[i] = mapping[block_id]
+            dst.seqs[seq.seq_id] = src.seqs.pop(seq.seq_id)
         return list(mapping.items())
 
-    # -- the rules, checked
-
-    def check_invariants(self):
-        """Asserts each rule, by name: ref_count, partition, cached, free, hash map, block table."""
-        pools = (("device", self.blocks, self.seqs), ("cpu", self.cpu_blocks, self.swapped_seqs))
-        for pool, blocks, seqs in pools:
-            holders = Counter(b for seq in seqs.values() for b in seq.block_table)
-            wrong = [b.block_id for b in blocks if b.ref_count != holders[b.block_id]]
-            assert not wrong, f"ref_count: {pool} blocks {wrong}: not the number of tables holding"
-        assert not set(self.seqs) & set(self.swapped_seqs), "partition: a seq is in both pools"
-        cpu_free = Counter(self.free_cpu_block_ids)
-        assert all(cpu_free[b.block_id] == (b.ref_count == 0) for b in self.cpu_blocks), \
-            "partition: cpu free list"
-        used = [b.block_id for b in self.blocks if b.ref_count > 0]
-        states = Counter([*self.free_block_ids, *self.cached_block_ids, *used])
-        wrong = [b for b in range(self.num_blocks) if states[b] != 1]
-        assert not wrong, f"partition: blocks {wrong} are not in exactly one of free, cached, used"
-        for b in self.blocks:   # of the blocks nobody holds, the cached ones, and only they, hash
-            assert b.ref_count or (b.hash is not None) == (b.block_id in self.cached_block_ids), \
-                f"cached: block {b.block_id} is cached without a hash, or free with one"
-        for h, bucket in self.hash_to_block_ids.items():
-            assert bucket and all(self.blocks[b].hash == h for b in bucket), \
-                f"hash map: {h} lists another's block"
-        registered = sum(map(len, self.hash_to_block_ids.values()))
-        assert sum(b.hash is not None for b in self.blocks) == registered, \
-            "hash map: a block carries a hash the map does not know"
-        for seq in self.seqs.values():   # a registered block holds the prefix of all its holders
-            for i, block_id in enumerate(seq.block_table):
-                block = self.blocks[block_id]
-                parent = self.blocks[seq.block_table[i - 1]] if i else None
-                assert block.hash is None or (
-                    block.token_ids == self._tokens(seq, i)
-                    and block.hash == self._block_hash(seq, i)
-                    and block.parent_entry == (parent.entry if parent else None)), \
-                    f"hash map: seq {seq.seq_id} block {i} ({block_id}) is another prefix's"
-        for seq in [*self.seqs.values(), *self.swapped_seqs.values()]:
-            sizes = (self._num_blocks_for(len(seq)), self._num_blocks_for(len(seq) - 1))
-            assert len(seq.block_table) in sizes, \
-                f"block table: seq {seq.seq_id}: {len(seq.block_table)} blocks, {len(seq)} tokens"
-
-    # -- what the metrics read
+    # -- what the metrics read, and the rules, checked
 
     def num_used_blocks(self):
         return self.num_blocks - self.num_free_blocks
@@ -543,25 +479,33 @@ class BlockManager:
     def num_stored_tokens(self):
         """Distinct token slots holding K/V in used blocks: a shared block counts once."""
         filled = {}
-        for seq in self.seqs.values():
+        for seq in self.device.seqs.values():
             for i, block_id in enumerate(seq.block_table):
                 n = min(self.block_size, max(0, seq.num_computed_tokens - i * self.block_size))
                 filled[block_id] = max(filled.get(block_id, 0), n)
         return sum(filled.values())
 
+    def check_invariants(self):
+        """Asserts each rule, naming it: ref_count, partition, cached, hash map, block table."""
+        check_block_manager(self)   # (section 6)
+
 # ----------------------------------------------------------------------------------------------
 # 3. The scheduler: which tokens run this step
 
+# one sequence's share of a step: it computes num_new_tokens tokens, 1 (a decode) or a chunk
+ScheduledSeq = namedtuple("ScheduledSeq", "request seq num_new_tokens")
+
 @dataclass
 class ScheduledBatch:
-    budget: int                                          # max_num_batched_tokens
-    seqs: list = field(default_factory=list)             # sequences that run this step
-    requests: list = field(default_factory=list)         # the request of each
-    num_new_tokens: list = field(default_factory=list)   # tokens each computes: 1, or a chunk
-    num_tokens: int = 0                                  # sum of num_new_tokens
+    budget: int                                   # max_num_batched_tokens
+    entries: list = field(default_factory=list)   # ScheduledSeq of each sequence that runs
     # block copies to make before the model runs, in the order decided (a later one may overwrite
     # what an earlier one reads): ("copy", src, dst), ("swap out", dev, cpu), ("swap in", cpu, dev)
     block_copies: list = field(default_factory=list)
+
+    @property
+    def num_tokens(self):
+        return sum(e.num_new_tokens for e in self.entries)
 
     @property
     def is_full(self):
@@ -569,37 +513,11 @@ class ScheduledBatch:
 
     def add(self, request, seq):
         # a prompt longer than what is left of the budget is computed in chunks (chunked prefill)
-        self.seqs.append(seq)
-        self.requests.append(request)
         chunk = min(len(seq) - seq.num_computed_tokens, self.budget - self.num_tokens)
-        self.num_new_tokens.append(chunk)
-        self.num_tokens += self.num_new_tokens[-1]
+        self.entries.append(ScheduledSeq(request, seq, chunk))
 
-    def remove(self, seq):
-        if seq in self.seqs:
-            i = self.seqs.index(seq)
-            self.num_tokens -= self.num_new_tokens[i]
-            del self.seqs[i]
-            del self.requests[i]
-            del self.num_new_tokens[i]
-
-@dataclass
-class PreemptionCost:
-    """What preemption_mode='auto' weighs, measured here. A recompute costs tokens *
-    seconds_per_token, the engine's average over its steps (an upper estimate: a step's fixed cost
-    is spread over its tokens). A swap costs 2 * blocks * bytes_per_block / copy bandwidth, timed
-    when the engine starts by a round trip of a few blocks."""
-    bytes_per_block: int
-    swap_bytes_per_second: float
-    seconds_per_token: float = 0.0   # 0 until the first step is measured
-
-    def observe_step(self, num_tokens, seconds):   # a moving average, set by the first step
-        weight = 0.1 if self.seconds_per_token else 1.0
-        self.seconds_per_token += weight * (seconds / num_tokens - self.seconds_per_token)
-
-    def swap_is_cheaper(self, num_tokens, num_blocks):
-        swap_seconds = 2 * num_blocks * self.bytes_per_block / self.swap_bytes_per_second
-        return swap_seconds < num_tokens * self.seconds_per_token
+    def remove(self, request):
+        self.entries = [e for e in self.entries if e.request is not request]
 
 class Scheduler:
     """First come, first served continuous batching of requests under a token budget per step
@@ -613,7 +531,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
-        self.cost = cost
+        self.cost = cost   # what 'auto' weighs (section 8); None: swap whenever the CPU has room
         # admitting a prompt leaves this many blocks free, so the next decodes need not preempt
         self.watermark_blocks = int(watermark * block_manager.num_blocks)
         self.waiting = deque()     # requests, FCFS; requests preempted by recompute go in front
@@ -639,11 +557,12 @@ class Scheduler:
 
     @staticmethod
     def _ready(seq):
-        """Has seq tokens to compute, with the K/V it reads in place? A beam that waits for its
-        siblings' log-probs has none; a sibling re-admitted sharing blocks waits for its leader."""
+        """Has seq tokens to compute, with the K/V it reads in place? Not a beam waiting for its
+        request's round (all its tokens are computed), nor a recomputed sample whose leader has
+        not yet computed the blocks they share (see _admit)."""
         leader = seq.waits_for
-        waiting = leader is not None and leader.num_computed_tokens < seq.num_computed_tokens
-        return not waiting and len(seq) > seq.num_computed_tokens
+        behind_leader = leader is not None and leader.num_computed_tokens < seq.num_computed_tokens
+        return not behind_leader and len(seq) > seq.num_computed_tokens
 
     def _schedule_seq(self, request, seq, batch):
         """seq's next token (or chunk) joins the batch, with the slot it writes."""
@@ -652,52 +571,65 @@ class Scheduler:
             batch.block_copies.append(("copy", *copy))
         batch.add(request, seq)
 
+    def _make_room(self, request, seq, batch):
+        """Preempt the newest running requests until seq can have the block it needs. False when
+        the newest was seq's own request: it gave its blocks back and waits like the others."""
+        while not self.block_manager.can_append(seq):
+            newest = self.running[-1]   # running is in arrival order
+            self.preempt(newest, batch)
+            if newest is request:
+                return False
+        return True
+
     def schedule(self) -> ScheduledBatch:
         bm = self.block_manager
         batch = ScheduledBatch(self.max_num_batched_tokens)
-        preempted = False
-        # 1. running requests, oldest first: one decode token each, or the next prefill chunk
+        num_preemptions = self.num_preemptions
+        # 1. running requests first, oldest first, so that the decodes keep a steady pace: each
+        #    sequence's next token, or its prompt's next chunk. The budget may run out in the
+        #    middle of a request (its samples may then differ by a token for a step)
         for request in list(self.running):
-            for seq in request.seqs:
-                # it was the newest and gave its own blocks back, or the budget is spent: the
-                # rest wait for the next step (so samples of a request may differ by a token)
+            for seq in filter(self._ready, request.seqs):
                 if request.status is not RequestStatus.RUNNING or batch.is_full:
-                    break
-                if not self._ready(seq):
-                    continue
-                while request.status is RequestStatus.RUNNING and not bm.can_append(seq):
-                    self.preempt(self.running[-1], batch)   # running is in arrival order
-                    preempted = True
-                if request.status is RequestStatus.RUNNING:
+                    break   # preempted (by itself, or by an older request's need), or no budget
+                if self._make_room(request, seq, batch):
                     self._schedule_seq(request, seq, batch)
-        # 2. swapped requests come back before any new one, but not in a step that had to preempt
-        while self.swapped and not preempted and not batch.is_full:
+        # nothing comes back in a step that preempted: the blocks it freed are the ones the
+        # running requests need next, and a request let in now would be preempted again at once
+        if self.num_preemptions > num_preemptions:
+            return batch
+        # 2. swapped requests, before any waiting one: nobody overtakes a preempted request
+        while self.swapped and not batch.is_full:
             request = self.swapped[0]
-            if not self._fits(request) or not bm.can_swap_in(request.seqs[0], self._watermark()):
+            room = bm.can_swap_in(*request.seqs, watermark=self._watermark())
+            if not self._fits(request) or not room:
                 break
             self.swapped.pop(0)
-            batch.block_copies += [("swap in", *pair) for pair in bm.swap_in(request.seqs[0])]
+            batch.block_copies += [("swap in", *pair) for pair in bm.swap_in(*request.seqs)]
             self._start_running(request)
             for seq in request.seqs:
                 if self._ready(seq) and not batch.is_full:
                     self._schedule_seq(request, seq, batch)
-        # 3. waiting requests in order, while nothing is swapped out and this step did not preempt
-        while self.waiting and not self.swapped and not preempted and not batch.is_full:
+        # 3. waiting requests, first come first served, while nothing is swapped out
+        while self.waiting and not self.swapped and not batch.is_full:
             request = self.waiting[0]
-            seqs = request.seqs
-            if not self._fits(request) or not bm.can_allocate(seqs[0], self._watermark(), seqs[1:]):
+            leader, *others = request.seqs
+            if not self._fits(request) or not bm.can_allocate(leader, self._watermark(), others):
                 break
             self.waiting.popleft()
             self._admit(request, batch)
         return batch
 
     def _admit(self, request, batch):
-        """Allocate a waiting request's blocks, all its sequences at once. A recomputed n>1 or beam
-        request comes back shared as it ran: its first sequence computes what they share."""
-        leader = request.seqs[0]
+        """Allocate a waiting request's blocks, all its sequences at once. A new request is one
+        sequence. A recomputed n>1 or beam request comes back shared as it ran: its samples fork
+        again from the first one, the leader, sharing the blocks that hold the same tokens. The
+        leader computes those (the one time a block with ref_count > 1 is written: once, before
+        anybody reads it); the others wait for it (waits_for), then compute only their own."""
+        leader, *others = request.seqs
         self.block_manager.allocate(leader)
-        for seq in request.seqs[1:]:
-            self.block_manager.allocate(seq, leader=leader)
+        for seq in others:
+            self.block_manager.fork(leader, seq, self.block_manager.num_shared(leader, seq))
             seq.waits_for = leader
         self._start_running(request)
         for seq in request.seqs:
@@ -706,17 +638,12 @@ class Scheduler:
                 batch.add(request, seq)
 
     def _choose_mode(self, request):
-        bm = self.block_manager
-        if self.preemption_mode == "recompute" or not bm.can_swap_out(request.seqs[0]):
-            return "recompute"   # (a full CPU pool falls back to recompute)
+        room = self.block_manager.can_swap_out(*request.seqs)
+        if self.preemption_mode == "recompute" or not room:
+            return "recompute"   # (no room in the CPU pool for its blocks: recompute)
         if self.preemption_mode == "swap" or self.cost is None:
-            return "swap"        # (auto with no cost measured, a Scheduler built by hand: swap)
-        # what a recompute computes: the first sequence whole, the others past what they share
-        leader = request.seqs[0]
-        num_tokens = len(leader) + sum(len(s) - bm.block_size * bm._num_shared(leader, s)
-                                       for s in request.seqs[1:])
-        num_blocks = len({b for s in request.seqs for b in s.block_table})
-        return "swap" if self.cost.swap_is_cheaper(num_tokens, num_blocks) else "recompute"
+            return "swap"
+        return self.cost.cheaper_mode(self.block_manager, request)   # auto (section 8)
 
     def preempt(self, request, batch, mode=None):
         """Take a running request's blocks back, all at once: swapped to the CPU pool, to resume
@@ -725,11 +652,10 @@ class Scheduler:
         held = sorted({b for s in request.seqs for b in s.block_table})
         self.events.record("preempt", [s.seq_id for s in request.seqs], held, note=mode)
         self.running.remove(request)
-        for seq in request.seqs:
-            batch.remove(seq)
+        batch.remove(request)
         if mode == "swap":
-            for dev, cpu in self.block_manager.swap_out(request.seqs[0]):
-                batch.block_copies.append(("swap out", dev, cpu))
+            pairs = self.block_manager.swap_out(*request.seqs)
+            batch.block_copies += [("swap out", *pair) for pair in pairs]
             request.status = RequestStatus.SWAPPED
             bisect.insort(self.swapped, request, key=lambda r: r.request_id)
         else:
@@ -749,9 +675,9 @@ class Scheduler:
 
     def postprocess(self, batch, sampled):
         """After the model ran: advance each sequence, register its newly full blocks, append the
-        tokens sampled (seq -> ids; n of them, forking, at an n>1 request's first), finish some."""
+        tokens sampled (seq -> token ids), finish the sequences that are done."""
         now = time.perf_counter()
-        for request, seq, num_new in zip(batch.requests, batch.seqs, batch.num_new_tokens):
+        for request, seq, num_new in batch.entries:
             seq.num_computed_tokens += num_new
             seq.waits_for = None   # it ran, so what it shares was in place
             self.block_manager.cache_full_blocks(seq)
@@ -759,6 +685,8 @@ class Scheduler:
                 continue   # in the middle of its prompt, or a beam (the engine picks beams)
             tokens = sampled[seq]
             request.first_token_time = request.first_token_time or now
+            # n tokens: an n>1 request's first, drawn from one prompt's logits. Its n samples
+            # fork here: n - 1 new sequences, sharing every block of the first
             samples = [seq] + [self.fork(request, seq, index=i) for i in range(1, len(tokens))]
             for s, token in zip(samples, tokens):
                 s.append_token(token)
@@ -769,9 +697,7 @@ class Scheduler:
 
     def fork(self, request, parent, index=0):
         """A new sequence of parent's request sharing all its blocks (n>1 samples, beams)."""
-        child = Sequence(parent.token_ids, request.request_id, index)
-        child.num_prompt_tokens = parent.num_prompt_tokens
-        child.prefill_until = parent.prefill_until
+        child = parent.fork(index)
         self.block_manager.fork(parent, child)
         request.seqs.append(child)
         return child
@@ -788,83 +714,8 @@ class Scheduler:
             self.running.remove(request)
             request.status = RequestStatus.FINISHED
 
-    def recompute_all(self):
-        """After a step that failed partway (its copies, its K/V writes may not have happened),
-        every request gives its blocks back, to be recomputed from its tokens, which are safe."""
-        holders = sorted(self.running + self.swapped, key=lambda r: r.request_id)
-        for request in reversed(holders):   # the newest first, so that the oldest ends in front
-            self._recompute(request)
-        self.running.clear()
-        self.swapped.clear()
-
-    def abort(self, request):
-        """Drop a request wherever it is and give its blocks back (after a step raised)."""
-        for queue in (self.waiting, self.running, self.swapped):
-            if request in queue:
-                queue.remove(request)
-        for seq in request.seqs:
-            self.block_manager.free(seq)
-        request.status = RequestStatus.FINISHED
-
 # ----------------------------------------------------------------------------------------------
-# 4. What happened: events as records
-
-def _ids(xs):   # '4, 7, 12' for the event log
-    return ", ".join(map(str, xs))
-
-EVENT_WORDS = {   # the plain words of each kind of event, for the debug log and the live view
-    "prefix hit": "seq {seqs} finds blocks {blocks} in the prefix cache ({note} tokens)",
-    "fork": "seq {seqs} forks from seq {note}: blocks {blocks} shared",
-    "copy": "seq {seqs} copies shared block {blocks} to block {to} before writing (copy-on-write)",
-    "evict": "block {blocks} is evicted from the prefix cache (cached, held by nobody)",
-    "swap out": "seq {seqs} swapped out: blocks {blocks} to cpu blocks {to}",
-    "swap in": "seq {seqs} swapped in: cpu blocks {blocks} to blocks {to}",
-    "preempt": "seq {seqs} preempted by {note}: blocks {blocks} taken back",
-    "finish": "seq {seqs} finishes ({note}): blocks {blocks} released",
-    # the debug log's kinds (debug_blocks=True): every single ref-count change
-    "allocate": "seq {seqs} takes free block {blocks}",
-    "ref+1": "seq {seqs} holds block {blocks}: ref {note}",
-    "ref-1": "seq {seqs} lets go of block {blocks}: ref {note}",
-    "cache": "seq {seqs} leaves block {blocks} in the prefix cache: ref 0",
-    "free": "seq {seqs} leaves block {blocks} free: ref 0",
-    "register": "seq {seqs} registers block {blocks} in the prefix cache (entry {note})",
-}
-DEBUG_KINDS = frozenset(["allocate", "ref+1", "ref-1", "cache", "free", "register"])
-
-@dataclass(frozen=True)
-class Event:
-    step: int
-    kind: str                # a key of EVENT_WORDS
-    seq_ids: tuple = ()
-    block_ids: tuple = ()    # the blocks it acts on (device blocks; cpu blocks for a swap in)
-    to_ids: tuple = ()       # where they went: the copy's block, the other pool's blocks
-    note: str = ""           # a token count, a parent, a mode, a reason, a ref count
-
-    def words(self):
-        return EVENT_WORDS[self.kind].format(seqs=_ids(self.seq_ids), blocks=_ids(self.block_ids),
-                                             to=_ids(self.to_ids), note=self.note)
-
-class EventLog:
-    """Where the block manager and the scheduler write what happened, for the engine to stamp with
-    its step and take. Debug kinds (one per ref-count change) are kept only when debug is on."""
-
-    def __init__(self, debug=False):
-        self.debug = debug
-        self.step = 0
-        self.records = []
-
-    def record(self, kind, seq_ids=(), block_ids=(), to_ids=(), note=""):
-        if self.debug or kind not in DEBUG_KINDS:
-            self.records.append(Event(self.step, kind, tuple(seq_ids), tuple(block_ids),
-                                      tuple(to_ids), str(note)))
-
-    def take(self):
-        records = self.records
-        self.records = []
-        return records
-
-# ----------------------------------------------------------------------------------------------
-# 5. The engine
+# 4. The engine
 
 # what generate() returns. outputs: n CompletionOutputs by sample index, finish_reason "stop" (eos)
 # or "length", token_ids after the prompt; ttft, tpot: seconds to the first token, per later one
@@ -876,55 +727,36 @@ CompletionOutput = namedtuple("CompletionOutput", "index token_ids text finish_r
 StepReport = namedtuple("StepReport", "step batch events stats seconds")
 
 class LLM:
-    """The engine: owns the model, the KV cache pool, the block manager and the scheduler.
+    """The engine: owns the model, the KV cache pools, the block manager and the scheduler.
     generate() adds requests and runs step() (one batch through the model) until they finish."""
 
     def __init__(self, model=None, device=None, dtype=None, block_size=16, num_blocks=None,
                  num_cpu_blocks=0, enable_prefix_caching=True, max_num_seqs=256,
                  max_num_batched_tokens=2048, max_model_len=None, preemption_mode="auto", seed=0,
                  swap_space=None, debug_blocks=False):
-        # the arguments are checked before the model loads, which takes seconds
-        check_pool_args(1 if num_blocks is None else num_blocks, block_size, num_cpu_blocks)
-        require(model is None or isinstance(model, str),
-                f"model must be None, a directory or 'random:<preset>', got {model!r}")
-        require(device in (None, "cpu") or str(device).startswith("cuda"),
-                f"device must be None, 'cpu' or 'cuda[:index]', got {device!r}")
-        require(dtype in (None, "float32", "bfloat16", "float16") or isinstance(dtype, torch.dtype),
-                f"dtype must be None, 'float32', 'bfloat16', 'float16' or a torch.dtype: {dtype!r}")
-        require_bool("enable_prefix_caching", enable_prefix_caching)
-        require_int("max_num_seqs", max_num_seqs, 1)
-        require_int("max_num_batched_tokens", max_num_batched_tokens, 1)
-        require(max_model_len is None or (is_int(max_model_len) and max_model_len >= 1),
-                f"max_model_len must be None (the model's) or an int >= 1, got {max_model_len!r}")
-        require(preemption_mode in ("recompute", "swap", "auto"),
-                f"preemption_mode must be 'recompute', 'swap' or 'auto', got {preemption_mode!r}")
-        require(swap_space is None or (is_number(swap_space) and swap_space >= 0),
-                f"swap_space must be None or a number of GiB >= 0, got {swap_space!r}")
-        require(preemption_mode != "swap" or num_cpu_blocks or swap_space,
-                "preemption_mode='swap' needs a CPU pool: num_cpu_blocks > 0 or swap_space (GiB)")
-        check_seed(seed)
-        require_bool("debug_blocks", debug_blocks)
+        # the arguments are checked before the model loads, which takes seconds (section 5)
+        check_engine_args(model, device, dtype, block_size, num_blocks, num_cpu_blocks,
+                          enable_prefix_caching, max_num_seqs, max_num_batched_tokens,
+                          max_model_len, preemption_mode, seed, swap_space, debug_blocks)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        cuda = self.device.type == "cuda"
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
         self.model, self.tokenizer, eos_token_ids = load_model(model, self.device, self.dtype, seed)
         cfg = self.model.config
         self.max_model_len = max_model_len or cfg.max_position_embeddings
-        require(self.max_model_len <= cfg.max_position_embeddings,
-                f"max_model_len {max_model_len} exceeds the model's {cfg.max_position_embeddings}")
         # a block holds K and V of block_size tokens in every layer: one block id serves all layers
         kv_size = cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
         bytes_per_block = 2 * cfg.num_layers * block_size * kv_size
         # the pool by default: on CUDA most of what the weights leave free (as vLLM's
         # gpu_memory_utilization), on a CPU 1 GiB
-        cuda = self.device.type == "cuda"
         if num_blocks is None:
             budget = 0.8 * torch.cuda.mem_get_info(self.device)[0] if cuda else 1 << 30
             num_blocks = max(1, int(budget // bytes_per_block))
         num_cpu_blocks = num_cpu_blocks or int((swap_space or 0) * (1 << 30) // bytes_per_block)
-        require(preemption_mode != "swap" or num_cpu_blocks >= 1,
-                f"swap_space {swap_space} GiB holds no block of {bytes_per_block} bytes")
-        # (2, num_layers, num_blocks, block_size, kv_heads, head_dim)
+        check_loaded_model(self, max_model_len, preemption_mode, num_cpu_blocks, swap_space,
+                           bytes_per_block)
+        # (2, num_layers, num_blocks, block_size, kv_heads, head_dim): K and V of every block
         shape = (2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         # the CPU tier: the same block shape in host memory, pinned on CUDA for async copies
@@ -934,89 +766,34 @@ class LLM:
         self.events = EventLog(debug=debug_blocks)
         self.block_manager = BlockManager(num_blocks, block_size, num_cpu_blocks,
                                           enable_prefix_caching, self.events)
-        cost = PreemptionCost(bytes_per_block, self._measure_swap_bandwidth()) \
-            if num_cpu_blocks else None
+        self.on_step = []   # callables: each gets every step's StepReport (the view, the log)
+        cost = PreemptionCost.measure(self, bytes_per_block) if num_cpu_blocks else None
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
                                    eos_token_ids=eos_token_ids, preemption_mode=preemption_mode,
                                    cost=cost)
+        if debug_blocks:
+            self.on_step.append(print_debug_log)
         self.seed = seed
         self.request_ids = itertools.count()
         self.requests = {}   # request_id -> Request, until its output is returned
-        self.on_step = []    # callables: each gets every step's StepReport
         self.num_steps = 0
         self.num_prefill_tokens_computed = 0
         self.num_generated_tokens = 0
-
-    def _measure_swap_bandwidth(self):
-        """Bytes per second of a device -> CPU -> device round trip of a few blocks."""
-        probe = range(min(8, self.kv_cache.shape[2], self.cpu_cache.shape[2]))   # block ids
-        for _ in range(2):   # the first round warms up
-            t0 = time.perf_counter()
-            self.copy_blocks([(kind, i, i) for kind in ("swap out", "swap in") for i in probe])
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            seconds = time.perf_counter() - t0
-        num_bytes = 2 * self.kv_cache[:, :, probe].numel() * self.dtype.itemsize
-        return num_bytes / max(seconds, 1e-9)
 
     # -- requests in
 
     def max_blocks_needed(self, num_prompt_tokens, params):
         """The most blocks a request holds at once: its prompt's full blocks, shared by all n (even
         after a preemption), and each one's own at full length. Alone in a pool this big it ends."""
-        bs = self.block_manager.block_size
+        block_size = self.block_manager.block_size
         written = num_prompt_tokens + params.max_tokens - 1   # the last token ends it, unwritten
-        shared = num_prompt_tokens // bs
-        return shared + params.n * (math.ceil(written / bs) - shared)
-
-    def _validate(self, token_ids, params):
-        """Everything that could go wrong with a request, checked before anything changes."""
-        vocab = self.model.config.vocab_size
-        num_blocks = self.block_manager.num_blocks
-        require(len(token_ids) > 0, "empty prompt: a prompt needs at least one token")
-        bad = [t for t in token_ids if not (is_int(t) and 0 <= t < vocab)]
-        require(not bad, f"token id {bad[:1]} outside the vocabulary: ids are ints in [0, {vocab})")
-        require(len(token_ids) + params.max_tokens <= self.max_model_len,
-                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"max_model_len ({self.max_model_len})")
-        require(params.n <= self.scheduler.max_num_seqs,
-                f"n (or beam_width) {params.n} > max_num_seqs {self.scheduler.max_num_seqs}")
-        require(not isinstance(params, BeamSearchParams) or 2 * params.beam_width <= vocab,
-                f"beam_width {params.n}: 2 * beam_width candidates exceed the vocabulary ({vocab})")
-        need = self.max_blocks_needed(len(token_ids), params)
-        require(need <= num_blocks,
-                f"the pool is too small for this request: it may need {need} blocks, the pool has "
-                f"{num_blocks}; raise num_blocks, or lower max_tokens or n")
-
-    def _tokenize(self, prompt):
-        if isinstance(prompt, str):
-            require(self.tokenizer is not None,
-                    "this model has no tokenizer (random weights): give prompts as token-id lists")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        require(isinstance(prompt, (list, tuple)),
-                f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
-        return list(prompt)
+        shared = num_prompt_tokens // block_size
+        return shared + params.n * (math.ceil(written / block_size) - shared)
 
     def add_requests(self, prompts, params=None, kind=SamplingParams):
         """Validate all, then queue all: a bad prompt leaves the engine as it was. Returns ids."""
-        one_prompt = isinstance(prompts, (list, tuple)) and prompts and is_int(prompts[0])
-        if isinstance(prompts, str) or one_prompt:
-            prompts = [prompts]
-        require(isinstance(prompts, (list, tuple)),
-                f"prompts must be a string, a list of strings or of token-id lists, got "
-                f"{type(prompts).__name__}")
-        params = kind() if params is None else params
-        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        require(len(params) == len(prompts),
-                f"params: {len(params)} for {len(prompts)} prompts; give one, or one per prompt")
-        for p in params:
-            require(isinstance(p, kind), f"params: expected {kind.__name__}, got {type(p).__name__}"
-                    " (generate takes SamplingParams, beam_search takes BeamSearchParams)")
-        token_lists = [self._tokenize(p) for p in prompts]
-        for token_ids, p in zip(token_lists, params):
-            self._validate(token_ids, p)
         request_ids = []
-        for token_ids, p in zip(token_lists, params):
+        for token_ids, p in checked_requests(self, prompts, params, kind):   # (section 5)
             request_id = next(self.request_ids)
             seed = getattr(p, "seed", None)
             seed = (self.seed * 1_000_003 + request_id) % 2**63 if seed is None else seed
@@ -1033,7 +810,7 @@ class LLM:
         return [self.output(r) for r in request_ids]
 
     def beam_search(self, prompts, params, live=False):
-        """Keep the beam_width most likely continuations of each prompt (section 6). Returns one
+        """Keep the beam_width most likely continuations of each prompt (section 10). Returns one
         BeamSearchOutput per prompt, its sequences best first."""
         request_ids = self.add_requests(prompts, params, kind=BeamSearchParams)
         self._run(request_ids, live)
@@ -1048,8 +825,7 @@ class LLM:
                 while any(r.status is not RequestStatus.FINISHED for r in requests):
                     self.step()
         except BaseException:
-            for r in request_ids:
-                self.scheduler.abort(self.requests.pop(r))
+            abort(self, request_ids)   # (section 9)
             raise
 
     def output(self, request_id):
@@ -1059,14 +835,8 @@ class LLM:
         require(request is not None and request.status is RequestStatus.FINISHED,
                 f"request {request_id} is unknown, unfinished or already returned")
         del self.requests[request_id]
-        if not request.is_beam_search:
-            return self._output(request)
-        out = beam_output(request, self._detokenize)
-        # an eos ends a hypothesis without joining a beam: it counts only if it is returned
-        self.num_generated_tokens += sum(s.finish_reason == "stop" for s in out.sequences)
-        return out
-
-    def _output(self, request):
+        if request.is_beam_search:
+            return beam_output(self, request)
         seqs = sorted(request.finished, key=lambda s: s.index)
         outs = [CompletionOutput(s.index, s.output_token_ids, self._detokenize(s.output_token_ids),
                                  s.finish_reason) for s in seqs]
@@ -1089,17 +859,11 @@ class LLM:
         try:
             batch = self._step()
         except BaseException:   # an error, or Ctrl-C: nothing of this step can be trusted
-            self.events.take()
-            self.scheduler.recompute_all()
+            recover_from_failed_step(self)   # (section 9)
             raise
         self.num_steps += 1
         seconds = time.perf_counter() - t0
-        if self.scheduler.cost is not None:
-            self.scheduler.cost.observe_step(batch.num_tokens, seconds)
         report = StepReport(self.num_steps, batch, self.events.take(), self.stats(), seconds)
-        if self.events.debug:   # the debug log: every block event of this step
-            for e in report.events:
-                print(f"step {e.step:5}  {e.kind:10}  {e.words()}", file=sys.stderr)
         for callback in self.on_step:
             callback(report)
         return report
@@ -1107,31 +871,31 @@ class LLM:
     def _step(self):
         """Schedule, copy blocks, run the model on one flat batch, sample, postprocess."""
         batch = self.scheduler.schedule()
-        assert batch.seqs, "the scheduler found nothing to run: a request outgrew its bound"
+        assert batch.entries, "the scheduler found nothing to run: a request outgrew its bound"
         # 1. block copies, in the order the scheduler decided them, before anybody writes a block
         self.copy_blocks(batch.block_copies)
-        # 2. the batch as tensors (model.Batch), and which sequences get a next token this step
-        model_batch, samplers = self._prepare(batch)
+        # 2. the batch as tensors (model.Batch), and the sequences whose logits are sampled
+        model_batch, to_sample = self._prepare(batch)
         # 3. the model writes every new token's K/V into its slot and returns logits to sample
-        logits = self.model(model_batch, self.kv_cache).cpu()   # (len(samplers), vocab) float32
-        # 4. sampling: n tokens at the first token of an n>1 request (it forks), else one, each
-        #    sample from its own stream; a beam keeps its log-probs for the round of its request
+        logits = self.model(model_batch, self.kv_cache).cpu()   # (len(to_sample), vocab) float32
+        # 4. sampling, each sample from its own random stream; at an n>1 request's first token,
+        #    n draws from its prompt's logits (it forks on them in postprocess). A beam keeps its
+        #    log-probs for its request's round (step 6)
         sampled = {}
-        for (request, seq), row in zip(samplers, logits):
+        for (request, seq), row in zip(to_sample, logits):
             if request.is_beam_search:
                 seq.logprobs = row.log_softmax(-1)
-            elif not request.forked:
-                sampled[seq] = [self._sample(row, request, i) for i in range(request.params.n)]
             else:
-                sampled[seq] = [self._sample(row, request, seq.index)]
+                samples = [seq.index] if request.past_first_token else range(request.params.n)
+                sampled[seq] = [self._sample(row, request, i) for i in samples]
         # 5. metrics, then the scheduler advances the sequences
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):   # prefill: before prefill_until
+        for _, seq, num_new in batch.entries:   # prefill: the positions before prefill_until
             start = seq.num_computed_tokens
             end = min(start + num_new, seq.prefill_until)
             self.num_prefill_tokens_computed += max(0, end - start)
         self.num_generated_tokens += sum(len(t) for t in sampled.values())
         self.scheduler.postprocess(batch, sampled)
-        # 6. beam search (section 6): a round once every live beam of a request has its log-probs
+        # 6. beam search (section 10): a round once every live beam of a request has log-probs
         for request in list(self.scheduler.running):
             if request.is_beam_search and all(b.logprobs is not None for b in request.seqs):
                 self.num_generated_tokens += beam_round(self.scheduler, request)
@@ -1148,24 +912,26 @@ class LLM:
                 self.kv_cache[:, :, dst].copy_(self.cpu_cache[:, :, src], non_blocking=True)
 
     def _prepare(self, batch):
-        """ScheduledBatch -> (model.Batch, samplers): the sequences whose chunk reaches their last
+        """ScheduledBatch -> (model.Batch, to_sample): the sequences whose chunk reaches their last
         token sample from its logits, as (request, seq) pairs. Shapes: see model.Batch."""
-        bs = self.block_manager.block_size
-        input_ids, positions, slot_mapping, logits_indices, samplers = [], [], [], [], []
+        block_size = self.block_manager.block_size
+        input_ids, positions, slot_mapping, logits_indices, to_sample = [], [], [], [], []
         query_start_loc, context_lens = [0], []
-        for request, seq, num_new in zip(batch.requests, batch.seqs, batch.num_new_tokens):
+        for request, seq, num_new in batch.entries:
             start = seq.num_computed_tokens   # this step computes positions start .. end - 1
             end = start + num_new
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
-            slot_mapping += [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
+            slot_mapping += [seq.block_table[p // block_size] * block_size + p % block_size
+                             for p in range(start, end)]
             query_start_loc.append(query_start_loc[-1] + num_new)
             context_lens.append(end)
             if end == len(seq):   # the chunk reaches the last token: its logits sample
                 logits_indices.append(query_start_loc[-1] - 1)
-                samplers.append((request, seq))
-        max_blocks = max(len(s.block_table) for s in batch.seqs)
-        block_tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch.seqs]
+                to_sample.append((request, seq))
+        tables = [e.seq.block_table for e in batch.entries]
+        max_blocks = max(map(len, tables))
+        block_tables = [t + [0] * (max_blocks - len(t)) for t in tables]   # padded: never read
         int64 = dict(dtype=torch.long, device=self.device)
         int32 = dict(dtype=torch.int32, device=self.device)
         model_batch = Batch(input_ids=torch.tensor(input_ids, **int64),
@@ -1175,9 +941,9 @@ class LLM:
                             context_lens=torch.tensor(context_lens, **int32),
                             query_start_loc=torch.tensor(query_start_loc, **int32),
                             logits_indices=torch.tensor(logits_indices, **int64),
-                            max_query_len=max(batch.num_new_tokens),
+                            max_query_len=max(e.num_new_tokens for e in batch.entries),
                             max_context_len=max(context_lens))
-        return model_batch, samplers
+        return model_batch, to_sample
 
     @staticmethod
     def _sample(logits, request, i):
@@ -1217,8 +983,322 @@ class LLM:
             "num_generated_tokens": self.num_generated_tokens,
         }
 
+# ==============================================================================================
+# reading path ends here. Every mechanism is above; below, for a second reading: the checks at
+# the API, the invariants, events, the auto cost model, failure recovery, beam search, the view
+# ==============================================================================================
+
 # ----------------------------------------------------------------------------------------------
-# 6. Beam search: the beams of a request are forks of one another, on shared blocks
+# 5. API guards: bad input stops at the API, before anything changes or any work starts
+
+def require(ok, message):
+    """A ValueError saying what is wrong and what is allowed."""
+    if not ok:
+        raise ValueError(message)
+
+def is_int(x):
+    return isinstance(x, int) and not isinstance(x, bool)   # True is an int to Python, not to us
+
+def is_number(x):   # a finite int or float
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+def require_int(name, x, low, note=""):   # a ValueError naming the parameter and its bound
+    require(is_int(x) and x >= low, f"{name} must be an int >= {low}{note}, got {x!r}")
+
+def require_bool(name, x):
+    require(isinstance(x, bool), f"{name} must be a bool, got {x!r}")
+
+def check_seed(seed):
+    require(is_int(seed) and 0 <= seed < 2**63, f"seed must be an int in [0, 2**63), got {seed!r}")
+
+MIN_TEMPERATURE = 0.01   # logits / temperature overflow float32 near 1e-38; 0 means greedy
+MIN_TOP_P = 1e-6         # top_p is compared with float32 probabilities, where 1e-300 is 0
+
+def check_sampling_params(p):
+    t = p.temperature
+    require(is_number(t) and (t == 0 or t >= MIN_TEMPERATURE),
+            f"temperature must be 0 (greedy) or a number >= {MIN_TEMPERATURE}, got {t!r}")
+    require(is_number(p.top_p) and MIN_TOP_P <= p.top_p <= 1,
+            f"top_p must be a number in (0, 1], at least {MIN_TOP_P}, got {p.top_p!r}")
+    require_int("top_k", p.top_k, 0, " (0 keeps every token)")
+    require_int("max_tokens", p.max_tokens, 1)
+    require_int("n", p.n, 1)
+    require_bool("ignore_eos", p.ignore_eos)
+    if p.seed is not None:
+        check_seed(p.seed)
+
+def check_beam_search_params(p):
+    require_int("beam_width", p.beam_width, 1)
+    require_int("max_tokens", p.max_tokens, 1)
+    require(is_number(p.length_penalty),
+            f"length_penalty must be a finite number, got {p.length_penalty!r}")
+    require_bool("ignore_eos", p.ignore_eos)
+
+def check_pool_args(num_blocks, block_size, num_cpu_blocks):
+    require(is_int(block_size) and block_size >= 1 and not block_size & (block_size - 1),
+            f"block_size must be a positive power of two (1, 2, 4, ... 16 ...), got {block_size!r}")
+    require_int("num_blocks", num_blocks, 1)
+    require_int("num_cpu_blocks", num_cpu_blocks, 0)
+
+def check_engine_args(model, device, dtype, block_size, num_blocks, num_cpu_blocks,
+                      enable_prefix_caching, max_num_seqs, max_num_batched_tokens, max_model_len,
+                      preemption_mode, seed, swap_space, debug_blocks):
+    """LLM's arguments, checked before the model loads."""
+    check_pool_args(1 if num_blocks is None else num_blocks, block_size, num_cpu_blocks)
+    require(model is None or isinstance(model, str),
+            f"model must be None, a directory or 'random:<preset>', got {model!r}")
+    require(device in (None, "cpu") or str(device).startswith("cuda"),
+            f"device must be None, 'cpu' or 'cuda[:index]', got {device!r}")
+    require(dtype in (None, "float32", "bfloat16", "float16") or isinstance(dtype, torch.dtype),
+            f"dtype must be None, 'float32', 'bfloat16', 'float16' or a torch.dtype: {dtype!r}")
+    require_bool("enable_prefix_caching", enable_prefix_caching)
+    require_int("max_num_seqs", max_num_seqs, 1)
+    require_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+    require(max_model_len is None or (is_int(max_model_len) and max_model_len >= 1),
+            f"max_model_len must be None (the model's) or an int >= 1, got {max_model_len!r}")
+    require(preemption_mode in ("recompute", "swap", "auto"),
+            f"preemption_mode must be 'recompute', 'swap' or 'auto', got {preemption_mode!r}")
+    require(swap_space is None or (is_number(swap_space) and swap_space >= 0),
+            f"swap_space must be None or a number of GiB >= 0, got {swap_space!r}")
+    require(preemption_mode != "swap" or num_cpu_blocks or swap_space,
+            "preemption_mode='swap' needs a CPU pool: num_cpu_blocks > 0 or swap_space (GiB)")
+    check_seed(seed)
+    require_bool("debug_blocks", debug_blocks)
+
+def check_loaded_model(llm, max_model_len, preemption_mode, num_cpu_blocks, swap_space,
+                       bytes_per_block):
+    """What can only be checked once the model is known: its length, its block size in bytes."""
+    longest = llm.model.config.max_position_embeddings
+    require(llm.max_model_len <= longest,
+            f"max_model_len {max_model_len} exceeds the model's {longest}")
+    require(preemption_mode != "swap" or num_cpu_blocks >= 1,
+            f"swap_space {swap_space} GiB holds no block of {bytes_per_block} bytes")
+
+def tokenize(llm, prompt):
+    if isinstance(prompt, str):
+        require(llm.tokenizer is not None,
+                "this model has no tokenizer (random weights): give prompts as token-id lists")
+        return llm.tokenizer.encode(prompt, add_special_tokens=False)
+    require(isinstance(prompt, (list, tuple)),
+            f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+    return list(prompt)
+
+def checked_requests(llm, prompts, params, kind):
+    """add_requests' input as [(token_ids, params)], every one checked before any is queued."""
+    one_prompt = isinstance(prompts, (list, tuple)) and prompts and is_int(prompts[0])
+    if isinstance(prompts, str) or one_prompt:
+        prompts = [prompts]
+    require(isinstance(prompts, (list, tuple)),
+            f"prompts must be a string, a list of strings or of token-id lists, got "
+            f"{type(prompts).__name__}")
+    params = kind() if params is None else params
+    params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    require(len(params) == len(prompts),
+            f"params: {len(params)} for {len(prompts)} prompts; give one, or one per prompt")
+    for p in params:
+        require(isinstance(p, kind), f"params: expected {kind.__name__}, got {type(p).__name__}"
+                " (generate takes SamplingParams, beam_search takes BeamSearchParams)")
+    token_lists = [tokenize(llm, p) for p in prompts]
+    for token_ids, p in zip(token_lists, params):
+        validate_request(llm, token_ids, p)
+    return list(zip(token_lists, params))
+
+def validate_request(llm, token_ids, params):
+    """Everything that could go wrong with a request, checked before anything changes."""
+    vocab = llm.model.config.vocab_size
+    num_blocks = llm.block_manager.num_blocks
+    max_num_seqs = llm.scheduler.max_num_seqs
+    require(len(token_ids) > 0, "empty prompt: a prompt needs at least one token")
+    bad = [t for t in token_ids if not (is_int(t) and 0 <= t < vocab)]
+    require(not bad, f"token id {bad[:1]} outside the vocabulary: ids are ints in [0, {vocab})")
+    require(len(token_ids) + params.max_tokens <= llm.max_model_len,
+            f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+            f"max_model_len ({llm.max_model_len})")
+    require(params.n <= max_num_seqs, f"n (or beam_width) {params.n} > max_num_seqs {max_num_seqs}")
+    require(not isinstance(params, BeamSearchParams) or 2 * params.beam_width <= vocab,
+            f"beam_width {params.n}: 2 * beam_width candidates exceed the vocabulary ({vocab})")
+    need = llm.max_blocks_needed(len(token_ids), params)
+    require(need <= num_blocks,
+            f"the pool is too small for this request: it may need {need} blocks, the pool has "
+            f"{num_blocks}; raise num_blocks, or lower max_tokens or n")
+
+# ----------------------------------------------------------------------------------------------
+# 6. Invariant checks: the block manager's rules, asserted (the tests call them after every step)
+
+def check_block_manager(bm):
+    """Asserts each rule, by name: ref_count, partition, cached, hash map, block table."""
+    for pool in (bm.device, bm.cpu):
+        holders = Counter(b for seq in pool.seqs.values() for b in seq.block_table)
+        wrong = [b.block_id for b in pool.blocks if b.ref_count != holders[b.block_id]]
+        assert not wrong, f"ref_count: {pool.name} blocks {wrong}: not the number of tables holding"
+        used = [b.block_id for b in pool.blocks if b.ref_count > 0]
+        states = Counter([*pool.free_block_ids, *pool.cached_block_ids, *used])
+        wrong = [b.block_id for b in pool.blocks if states[b.block_id] != 1]
+        assert not wrong, \
+            f"partition: {pool.name} blocks {wrong} are not in exactly one of free, cached, used"
+        for b in pool.blocks:   # of the blocks nobody holds, the cached ones, and only they, hash
+            assert b.ref_count or (b.hash is not None) == (b.block_id in pool.cached_block_ids), \
+                f"cached: {pool.name} block {b.block_id} is cached without a hash, or free with one"
+    assert not set(bm.device.seqs) & set(bm.cpu.seqs), "partition: a seq is in both pools"
+    assert not any(b.hash is not None for b in bm.cpu.blocks), "hash map: a cpu block has a hash"
+    blocks = bm.device.blocks
+    for h, bucket in bm.hash_to_block_ids.items():
+        assert bucket and all(blocks[b].hash == h for b in bucket), \
+            f"hash map: {h} lists another's block"
+    registered = sum(map(len, bm.hash_to_block_ids.values()))
+    assert sum(b.hash is not None for b in blocks) == registered, \
+        "hash map: a block carries a hash the map does not know"
+    for seq in bm.device.seqs.values():   # a registered block holds the prefix of all its holders
+        for i, block_id in enumerate(seq.block_table):
+            block = blocks[block_id]
+            parent = blocks[seq.block_table[i - 1]] if i else None
+            assert block.hash is None or (
+                block.token_ids == bm._tokens(seq, i)
+                and block.hash == bm._block_hash(seq, i)
+                and block.parent_prefix_id == (parent.prefix_id if parent else None)), \
+                f"hash map: seq {seq.seq_id} block {i} ({block_id}) is another prefix's"
+    for seq in [*bm.device.seqs.values(), *bm.cpu.seqs.values()]:
+        sizes = (bm._num_blocks_for(len(seq)), bm._num_blocks_for(len(seq) - 1))
+        assert len(seq.block_table) in sizes, \
+            f"block table: seq {seq.seq_id}: {len(seq.block_table)} blocks, {len(seq)} tokens"
+
+# ----------------------------------------------------------------------------------------------
+# 7. What happened: events as records, for the live view and the debug log
+
+def _ids(xs):   # '4, 7, 12' for the event log
+    return ", ".join(map(str, xs))
+
+EVENT_WORDS = {   # the plain words of each kind of event, for the debug log and the live view
+    "prefix hit": "seq {seqs} finds blocks {blocks} in the prefix cache ({note} tokens)",
+    "fork": "seq {seqs} forks from seq {note}: blocks {blocks} shared",
+    "copy": "seq {seqs} copies shared block {blocks} to block {to} before writing (copy-on-write)",
+    "evict": "block {blocks} is evicted from the prefix cache (cached, held by nobody)",
+    "swap out": "seq {seqs} swapped out: blocks {blocks} to cpu blocks {to}",
+    "swap in": "seq {seqs} swapped in: cpu blocks {blocks} to blocks {to}",
+    "preempt": "seq {seqs} preempted by {note}: blocks {blocks} taken back",
+    "finish": "seq {seqs} finishes ({note}): blocks {blocks} released",
+    # the debug log's kinds (debug_blocks=True): every single ref-count change, in either pool
+    "allocate": "seq {seqs} takes free block {blocks} ({note})",
+    "ref+1": "seq {seqs} holds block {blocks} ({note})",
+    "ref-1": "seq {seqs} lets go of block {blocks} ({note})",
+    "cache": "seq {seqs} leaves block {blocks} in the prefix cache ({note})",
+    "free": "seq {seqs} leaves block {blocks} free ({note})",
+    "register": "seq {seqs} registers block {blocks} in the prefix cache (prefix {note})",
+}
+DEBUG_KINDS = frozenset(["allocate", "ref+1", "ref-1", "cache", "free", "register"])
+
+@dataclass(frozen=True)
+class Event:
+    step: int
+    kind: str                # a key of EVENT_WORDS
+    seq_ids: tuple = ()
+    block_ids: tuple = ()    # the blocks it acts on (device blocks; cpu blocks for a swap in)
+    to_ids: tuple = ()       # where they went: the copy's block, the other pool's blocks
+    note: str = ""           # a token count, a parent, a mode, a reason, a ref count
+
+    def words(self):
+        return EVENT_WORDS[self.kind].format(seqs=_ids(self.seq_ids), blocks=_ids(self.block_ids),
+                                             to=_ids(self.to_ids), note=self.note)
+
+class EventLog:
+    """Where the block manager and the scheduler write what happened, for the engine to stamp with
+    its step and take. Debug kinds (one per ref-count change) are kept only when debug is on."""
+
+    def __init__(self, debug=False):
+        self.debug = debug
+        self.step = 0
+        self.records = []
+
+    def record(self, kind, seq_ids=(), block_ids=(), to_ids=(), note=""):
+        if self.debug or kind not in DEBUG_KINDS:
+            self.records.append(Event(self.step, kind, tuple(seq_ids), tuple(block_ids),
+                                      tuple(to_ids), str(note)))
+
+    def record_ref(self, pool, kind, seq, block):   # a debug kind: a ref-count change
+        if self.debug:
+            note = f"{pool.name} pool, ref {block.ref_count}"
+            self.record(kind, [seq.seq_id], [block.block_id], note=note)
+
+    def take(self):
+        records = self.records
+        self.records = []
+        return records
+
+def print_debug_log(report):
+    """The debug log (debug_blocks=True), an on_step callback: every event of a step, on stderr."""
+    for e in report.events:
+        print(f"step {e.step:5}  {e.kind:10}  {e.words()}", file=sys.stderr)
+
+# ----------------------------------------------------------------------------------------------
+# 8. preemption_mode='auto': swap or recompute, whichever costs less on this machine
+
+@dataclass
+class PreemptionCost:
+    """A recompute costs tokens * seconds_per_token, the engine's average over its steps (an upper
+    estimate: a step's fixed cost is spread over its tokens). A swap costs 2 * blocks *
+    bytes_per_block / copy bandwidth, timed when the engine starts by a round trip of a few
+    blocks."""
+    bytes_per_block: int
+    swap_bytes_per_second: float
+    seconds_per_token: float = 0.0   # 0 until the first step is measured
+
+    @classmethod
+    def measure(cls, llm, bytes_per_block):
+        """Time a device -> CPU -> device round trip of a few blocks; then keep seconds_per_token
+        up to date after every step of llm (an on_step callback)."""
+        probe = range(min(8, llm.kv_cache.shape[2], llm.cpu_cache.shape[2]))   # block ids
+        for _ in range(2):   # the first round warms up
+            t0 = time.perf_counter()
+            llm.copy_blocks([(kind, i, i) for kind in ("swap out", "swap in") for i in probe])
+            if llm.device.type == "cuda":
+                torch.cuda.synchronize(llm.device)
+            seconds = time.perf_counter() - t0
+        num_bytes = 2 * llm.kv_cache[:, :, probe].numel() * llm.dtype.itemsize
+        cost = cls(bytes_per_block, num_bytes / max(seconds, 1e-9))
+        llm.on_step.append(cost.observe)
+        return cost
+
+    def observe(self, report):   # a moving average, set by the first step
+        weight = 0.1 if self.seconds_per_token else 1.0
+        per_token = report.seconds / report.batch.num_tokens
+        self.seconds_per_token += weight * (per_token - self.seconds_per_token)
+
+    def cheaper_mode(self, bm, request):
+        # what a recompute computes: the first sequence whole, the others past what they share
+        leader = request.seqs[0]
+        num_tokens = len(leader) + sum(len(s) - bm.block_size * bm.num_shared(leader, s)
+                                       for s in request.seqs[1:])
+        num_blocks = len({b for s in request.seqs for b in s.block_table})
+        swap_seconds = 2 * num_blocks * self.bytes_per_block / self.swap_bytes_per_second
+        return "swap" if swap_seconds < num_tokens * self.seconds_per_token else "recompute"
+
+# ----------------------------------------------------------------------------------------------
+# 9. Failure recovery: a step that raised (an error, Ctrl-C) leaves no half-done work behind
+
+def recover_from_failed_step(llm):
+    """The step's copies and K/V writes may not have happened: every request gives its blocks
+    back, to be recomputed from its tokens, which are safe."""
+    llm.events.take()
+    sched = llm.scheduler
+    holders = sorted(sched.running + sched.swapped, key=lambda r: r.request_id)
+    for request in reversed(holders):   # the newest first, so that the oldest ends in front
+        sched._recompute(request)
+    sched.running.clear()
+    sched.swapped.clear()
+
+def abort(llm, request_ids):
+    """Drop these requests wherever they are and give their blocks back (after a step raised)."""
+    sched = llm.scheduler
+    for request in map(llm.requests.pop, request_ids):
+        for queue in (sched.waiting, sched.running, sched.swapped):
+            if request in queue:
+                queue.remove(request)
+        for seq in request.seqs:
+            llm.block_manager.free(seq)
+        request.status = RequestStatus.FINISHED
+
+# ----------------------------------------------------------------------------------------------
+# 10. Beam search: the beams of a request are forks of one another, on shared blocks
 #
 # Each round every live beam offers its 2 * beam_width likeliest next tokens (vLLM's rule); an eos
 # candidate completes a hypothesis, the beam_width best others live on: a beam chosen twice forks
@@ -1243,8 +1323,8 @@ def beam_round(scheduler, request):
             candidates.append(BeamCandidate(beam.cum_logprob + logprob, beam, token))
         beam.logprobs = None
     eos = frozenset() if params.ignore_eos else scheduler.eos_token_ids
-    request.completed += [BeamHypothesis(c.beam.output_token_ids + [c.token], c.cum_logprob, "stop")
-                          for c in candidates if c.token in eos]
+    request.hypotheses += [BeamHypothesis(c.beam.output_token_ids + [c.token], c.cum_logprob,
+                                          "stop") for c in candidates if c.token in eos]
     live = [c for c in candidates if c.token not in eos]
     chosen = sorted(live, key=lambda c: c.cum_logprob, reverse=True)[:params.beam_width]
     for beam in list(request.seqs):   # fork first (a child copies its parent's tokens)...
@@ -1259,11 +1339,11 @@ def beam_round(scheduler, request):
     if request.seqs and request.seqs[0].num_output_tokens >= params.max_tokens:
         for beam in list(request.seqs):   # out of tokens: the live beams end here
             hypothesis = BeamHypothesis(beam.output_token_ids, beam.cum_logprob, "length")
-            request.completed.append(hypothesis)
+            request.hypotheses.append(hypothesis)
             scheduler.finish(request, beam, "length")
     return len(chosen)
 
-def beam_output(request, detokenize):
+def beam_output(llm, request):
     """The beam_width best hypotheses, by cum_logprob / length ** length_penalty, where length
     counts the prompt and the output but not an ending eos (vLLM's rule)."""
     params = request.params
@@ -1272,17 +1352,15 @@ def beam_output(request, detokenize):
         length = len(request.prompt_token_ids) + len(h.token_ids) - (h.finish_reason == "stop")
         return h.cum_logprob / length ** params.length_penalty
 
-    best = sorted(request.completed, key=score, reverse=True)[:params.beam_width]
-    sequences = [BeamSearchSequence(h.token_ids, detokenize(h.token_ids), h.cum_logprob, score(h),
-                                    h.finish_reason) for h in best]
+    best = sorted(request.hypotheses, key=score, reverse=True)[:params.beam_width]
+    sequences = [BeamSearchSequence(h.token_ids, llm._detokenize(h.token_ids), h.cum_logprob,
+                                    score(h), h.finish_reason) for h in best]
+    # an eos ends a hypothesis without joining a beam: it counts only if it is returned
+    llm.num_generated_tokens += sum(s.finish_reason == "stop" for s in sequences)
     return BeamSearchOutput(request.request_id, request.prompt_token_ids, sequences)
 
 # ----------------------------------------------------------------------------------------------
-# 7. The live view, drawn with rich after every step (skip this section on a first reading)
-
-from rich.console import Console, Group  # noqa: E402  (the view's alone: rich is imported here)
-from rich.live import Live  # noqa: E402
-from rich.text import Text  # noqa: E402
+# 11. The live view, drawn with rich after every step
 
 HOLDER_COLOURS = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "orange3"]
 
@@ -1395,18 +1473,18 @@ class View:
         """The device pool and, beside it, the CPU pool: rows of cells, each led by its first id."""
         bm = self.llm.block_manager
         cpu_cols = 16 if bm.num_cpu_blocks else 0
-        pools = [("device pool", bm.blocks, bm.seqs, 64 if width >= 110 + cpu_cols else 32)]
+        pools = [("device pool", bm.device, 64 if width >= 110 + cpu_cols else 32)]
         if cpu_cols:
-            pools.append(("cpu pool", bm.cpu_blocks, bm.swapped_seqs, cpu_cols))
+            pools.append(("cpu pool", bm.cpu, cpu_cols))
         titles = []
         columns = []   # each pool's rows, padded to the column's width: 6 + n cells
-        for title, blocks, seqs, n in pools:
-            per_cell = max(1, math.ceil(len(blocks) / (n * max_rows)))
-            cells = self._cells(blocks, seqs.values(), per_cell)
+        for title, pool, n in pools:
+            per_cell = max(1, math.ceil(len(pool.blocks) / (n * max_rows)))
+            cells = self._cells(pool.blocks, pool.seqs.values(), per_cell)
             rows = [Text(f"{i * per_cell:>5} ") + cells[i:i + n] for i in range(0, len(cells), n)]
             columns.append([row + " " * (n + 6 - len(row)) for row in rows])
             titles.append(f"{title}, {per_cell} blocks a cell" if per_cell > 1 else title)
-        lines = [Text(f"{titles[0]:<{pools[0][3] + 6}}" + "".join("    " + t for t in titles[1:]))]
+        lines = [Text(f"{titles[0]:<{pools[0][2] + 6}}" + "".join("    " + t for t in titles[1:]))]
         for i in range(max(map(len, columns))):
             parts = [rows[i] if i < len(rows) else Text(" " * len(rows[0])) for rows in columns]
             lines.append(Text("  │ ").join(parts))
@@ -1421,7 +1499,7 @@ class View:
         rows = [(r, s) for r in [*sched.running, *sched.swapped, *sched.waiting] for s in r.seqs]
         lines = [Text("  seq  req  state    block table (*: shared)   last block  text", "bold")]
         for request, seq in rows[:max_rows]:
-            pool = bm.cpu_blocks if request.status is RequestStatus.SWAPPED else bm.blocks
+            pool = (bm.cpu if request.status is RequestStatus.SWAPPED else bm.device).blocks
             ids = [f"{b}*" if pool[b].ref_count > 1 else f"{b}" for b in seq.block_table]
             if len(ids) > 8:   # long tables: the first blocks, the last, and how many in all
                 ids = ids[:3] + [f"...{len(ids)}..."] + ids[-3:]
@@ -1436,7 +1514,7 @@ class View:
         return lines
 
 # ----------------------------------------------------------------------------------------------
-# 8. Command line: demos that provoke each mechanism, watched live or traced
+# 12. Command line: demos that provoke each mechanism, watched live or traced
 
 SYSTEM = "You are a helpful assistant. Answer in one short sentence.\n"
 QUESTIONS = ["What is a cache?", "Why is the sky blue?", "What is a prime number?",

@@ -44,13 +44,13 @@ def free_all(bm, *seqs):
 def test_allocate_and_free_basics():
     """A 40-token sequence at block_size 16 takes 3 blocks from the front of an O(1) pool; free returns them."""
     bm = BlockManager(8, 16)
-    assert isinstance(bm.free_block_ids, deque)   # popleft/append: O(1) allocate and free
+    assert isinstance(bm.device.free_block_ids, deque)   # popleft/append: O(1) allocate and free
     seq = alloc(bm, Sequence(toks(0, 40)))
     assert seq.block_table == [0, 1, 2]
-    assert bm.num_free_blocks == 5 and [bm.blocks[i].ref_count for i in range(4)] == [1, 1, 1, 0]
+    assert bm.num_free_blocks == 5 and [bm.device.blocks[i].ref_count for i in range(4)] == [1, 1, 1, 0]
     free_all(bm, seq)
-    assert seq.block_table == [] and list(bm.free_block_ids) == [3, 4, 5, 6, 7, 2, 1, 0]   # tail first
-    assert not bm.cached_block_ids   # never registered, so nothing to keep
+    assert seq.block_table == [] and list(bm.device.free_block_ids) == [3, 4, 5, 6, 7, 2, 1, 0]   # tail first
+    assert not bm.device.cached_block_ids   # never registered, so nothing to keep
 
 
 def test_prefix_hit_through_hash_chain():
@@ -63,11 +63,11 @@ def test_prefix_hit_through_hash_chain():
     b = alloc(bm, Sequence(prefix + toks(900, 10)))
     assert b.num_cached_tokens == b.num_computed_tokens == 64
     assert b.block_table[:4] == a.block_table[:4] and b.block_table[4] not in a.block_table
-    assert [bm.blocks[i].ref_count for i in b.block_table] == [2, 2, 2, 2, 1]
+    assert [bm.device.blocks[i].ref_count for i in b.block_table] == [2, 2, 2, 2, 1]
     assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (69 + 74, 64)
     bm.free(a)
     bm.check_invariants()
-    assert [bm.blocks[i].ref_count for i in b.block_table[:4]] == [1, 1, 1, 1]
+    assert [bm.device.blocks[i].ref_count for i in b.block_table[:4]] == [1, 1, 1, 1]
     free_all(bm, b)
 
 
@@ -113,7 +113,7 @@ def test_forced_hash_collisions_never_hand_out_wrong_blocks(monkeypatch, name):
     assert c.num_cached_tokens == c_hits
     assert c.block_table[:c_hits // 4] == a.block_table[:c_hits // 4]
     for i in range(c_hits // 4):
-        assert bm.blocks[c.block_table[i]].token_ids == tuple(c.token_ids[4 * i:4 * i + 4])
+        assert bm.device.blocks[c.block_table[i]].token_ids == tuple(c.token_ids[4 * i:4 * i + 4])
     free_all(bm, a, b, c)
 
 
@@ -141,13 +141,13 @@ def test_eviction_keeps_cached_blocks_and_evicts_least_recently_freed():
     bm.check_invariants()
     bm.free(b)
     bm.check_invariants()
-    assert list(bm.cached_block_ids) == [1, 0, 3, 2] and list(bm.free_block_ids) == [4, 5]
+    assert list(bm.device.cached_block_ids) == [1, 0, 3, 2] and list(bm.device.free_block_ids) == [4, 5]
     assert bm.num_free_blocks == 6 and len(bm.hash_to_block_ids) == 4
     f1 = alloc(bm, Sequence(toks(300, 12)))    # truly free blocks first, then a's tail
     assert f1.block_table == [4, 5, 1] and bm.num_evictions == 1
     f2 = alloc(bm, Sequence(toks(400, 8)))     # then a's head, then b's tail
     assert f2.block_table == [0, 3] and bm.num_evictions == 3
-    assert list(bm.cached_block_ids) == [2] and len(bm.hash_to_block_ids) == 1
+    assert list(bm.device.cached_block_ids) == [2] and len(bm.hash_to_block_ids) == 1
     free_all(bm, f1, f2)
     lost = alloc(bm, Sequence(toks(100, 8) + [1]))   # a's prefix was evicted
     assert lost.num_cached_tokens == 0
@@ -168,7 +168,7 @@ def test_fork_shares_blocks_and_copies_shared_last_block_on_write():
         bm.check_invariants()
         children.append(child)
     assert all(c.block_table == [0, 1] and c.num_computed_tokens == 20 for c in children)
-    assert (bm.blocks[0].ref_count, bm.blocks[1].ref_count) == (4, 4)
+    assert (bm.device.blocks[0].ref_count, bm.device.blocks[1].ref_count) == (4, 4)
     copies = []
     for t, seq in enumerate([parent] + children):
         seq.append_token(1000 + t)
@@ -178,7 +178,7 @@ def test_fork_shares_blocks_and_copies_shared_last_block_on_write():
         bm.check_invariants()
     assert copies[:3] == [(1, 2), (1, 3), (1, 4)] and copies[3] is None
     assert [s.block_table for s in [parent] + children] == [[0, 2], [0, 3], [0, 4], [0, 1]]
-    assert [bm.blocks[i].ref_count for i in range(5)] == [4, 1, 1, 1, 1]
+    assert [bm.device.blocks[i].ref_count for i in range(5)] == [4, 1, 1, 1, 1]
     assert bm.num_cow_copies == 3
     free_all(bm, parent, *children)
 
@@ -234,10 +234,10 @@ def test_prefix_caching_disabled_registers_and_hits_nothing():
     a = computed(bm, Sequence(toks(0, 74)))
     b = alloc(bm, Sequence(toks(0, 64) + toks(900, 10)))
     assert b.num_cached_tokens == 0 and not set(a.block_table) & set(b.block_table)
-    assert bm.hash_to_block_ids == {} and all(blk.hash is None for blk in bm.blocks)
+    assert bm.hash_to_block_ids == {} and all(blk.hash is None for blk in bm.device.blocks)
     assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (0, 0)
     free_all(bm, a, b)
-    assert not bm.cached_block_ids and len(bm.free_block_ids) == 10
+    assert not bm.device.cached_block_ids and len(bm.device.free_block_ids) == 10
 
 
 @pytest.mark.parametrize("block_size", [0, 3, 12, -4])
@@ -252,17 +252,17 @@ def test_check_invariants_names_the_broken_rule(rule):
     """check_invariants raises an AssertionError naming the rule a tampered pool breaks."""
     bm = BlockManager(8, 4)
     seq = computed(bm, Sequence(toks(0, 10)))   # blocks [0, 1, 2]; 0 and 1 registered
-    block = bm.blocks[seq.block_table[0]]
+    block = bm.device.blocks[seq.block_table[0]]
     if rule == "ref_count":
         block.ref_count += 1
         with pytest.raises(AssertionError, match="ref_count"):
             bm.check_invariants()
         block.ref_count -= 1
     elif rule == "partition":                     # a used block also in the free pool
-        bm.free_block_ids.append(block.block_id)
+        bm.device.free_block_ids.append(block.block_id)
         with pytest.raises(AssertionError, match="partition"):
             bm.check_invariants()
-        bm.free_block_ids.pop()
+        bm.device.free_block_ids.pop()
     else:                                         # a registered block's tokens no longer hash to its key
         saved, block.token_ids = block.token_ids, (7, 7, 7, 7)
         with pytest.raises(AssertionError, match="hash map"):

@@ -114,7 +114,7 @@ def test_n4_sampling_shares_prompt_blocks_and_copies_only_the_partial_block():
     def watch(report):
         bm = llm.block_manager
         tables = [list(s.block_table) for s in running_seqs(llm)]
-        seen.append((len(tables), [[bm.blocks[b].ref_count for b in t] for t in tables], tables,
+        seen.append((len(tables), [[bm.device.blocks[b].ref_count for b in t] for t in tables], tables,
                      bm.num_cow_copies))
 
     llm.on_step.append(watch)

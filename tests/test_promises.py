@@ -1,4 +1,4 @@
-"""The engine keeps _validate's promise: a request that passes validation finishes, with the tokens
+"""The engine keeps validate_request's promise: a request that passes validation finishes, with the tokens
 it would get in a roomy pool, and an input the engine cannot serve is refused with a ValueError
 naming the parameter, before anything is queued (issue 9, item 5).
 
@@ -40,7 +40,7 @@ class ModelProbe:
     def __call__(self, *args, **kwargs):
         self.calls += 1
         bm = self.llm.block_manager
-        self.most_seqs = max(self.most_seqs, len(bm.seqs))
+        self.most_seqs = max(self.most_seqs, len(bm.device.seqs))
         self.most_used_blocks = max(self.most_used_blocks, bm.num_blocks - bm.num_free_blocks)
         if self.calls == self.raise_on:
             raise RuntimeError(f"injected failure at model call {self.calls}")

@@ -81,9 +81,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def swap_out(self, data):
         seq = data.draw(st.sampled_from(self.live))
-        if self.bm.can_swap_out(seq):
-            group = [s for s in self.live if s.request_id == seq.request_id]
-            self.copy(self.bm.swap_out(seq), self.device, self.cpu)
+        group = [s for s in self.live if s.request_id == seq.request_id]
+        if self.bm.can_swap_out(*group):
+            self.copy(self.bm.swap_out(*group), self.device, self.cpu)
             self.live = [s for s in self.live if s not in group]
             self.swapped.append(group)
 
@@ -91,8 +91,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def swap_in(self, data):
         group = data.draw(st.sampled_from(self.swapped))
-        if self.bm.can_swap_in(group[0]):
-            self.copy(self.bm.swap_in(group[0]), self.cpu, self.device)
+        if self.bm.can_swap_in(*group):
+            self.copy(self.bm.swap_in(*group), self.cpu, self.device)
             self.swapped.remove(group)
             self.live += group
 
@@ -121,7 +121,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.bm.free(seq)
             self.bm.check_invariants()
         assert self.bm.num_free_blocks == self.bm.num_blocks, "a device block leaked"
-        assert len(self.bm.free_cpu_block_ids) == self.bm.num_cpu_blocks, "a CPU block leaked"
+        assert len(self.bm.cpu.free_block_ids) == self.bm.num_cpu_blocks, "a CPU block leaked"
 
 
 BlockManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
@@ -151,7 +151,7 @@ def test_every_request_that_passes_validation_finishes(requests, beams, block_si
                                                        mode, extra_blocks, cpu_share,
                                                        max_num_batched_tokens, max_num_seqs):
     """Greedy n>1 and beam requests, prefix caching on and off, recompute and swap, in pools from
-    the smallest _validate accepts upward: every request finishes with a roomy pool's tokens, no
+    the smallest validate_request accepts upward: every request finishes with a roomy pool's tokens, no
     step runs more than max_num_seqs sequences, and no block is held at the end."""
     prompts = [prompt_ids(seed, length) for seed, length, _, _ in requests]
     if beams:
@@ -166,7 +166,7 @@ def test_every_request_that_passes_validation_finishes(requests, beams, block_si
 
     roomy = LLM("random:tiny", block_size=block_size, num_blocks=1000)
     want = run(roomy)
-    # the smallest pool _validate accepts for these requests (it refuses one block less)
+    # the smallest pool validate_request accepts for these requests (it refuses one block less)
     smallest = max(roomy.max_blocks_needed(len(p), q) for p, q in zip(prompts, params))
     num_blocks = smallest + extra_blocks
     llm = checked(LLM("random:tiny", block_size=block_size, num_blocks=num_blocks,
@@ -176,7 +176,7 @@ def test_every_request_that_passes_validation_finishes(requests, beams, block_si
     running = []
 
     def watch(report):
-        running.append(len(llm.block_manager.seqs))
+        running.append(len(llm.block_manager.device.seqs))
         assert report.step < 3000, "no progress: a livelock"
 
     llm.on_step.append(watch)

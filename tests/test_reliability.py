@@ -69,7 +69,7 @@ def test_pressure_run_finishes_everything_with_unconstrained_outputs(unconstrain
         assert stats["num_swapped_out_blocks"] == 0
     assert len(got) == 120 and got == want
     assert_no_block_held(llm)
-    assert len(llm.block_manager.free_cpu_block_ids) == llm.block_manager.num_cpu_blocks and not llm.block_manager.swapped_seqs
+    assert len(llm.block_manager.cpu.free_block_ids) == llm.block_manager.num_cpu_blocks and not llm.block_manager.cpu.seqs
 
 
 def test_swap_and_recompute_give_identical_outputs(pressure_runs):
@@ -133,7 +133,7 @@ def test_swapped_in_kv_equals_swapped_out_kv():
     llm.copy_blocks(batch.block_copies)
     llm.kv_cache.normal_()   # whatever the device pool held is gone
     batch = llm.scheduler.schedule()
-    assert [k for k, _, _ in batch.block_copies if k == "swap in"] and seq in batch.seqs
+    assert [k for k, _, _ in batch.block_copies if k == "swap in"] and seq in [e.seq for e in batch.entries]
     llm.copy_blocks(batch.block_copies)
     assert torch.equal(kv_of(llm, seq), before)
 

@@ -45,8 +45,8 @@ def check_frame(text, llm, report):
             if part.strip():
                 start, cells = re.match(r"\s*(\d+) (\S*)", part).groups()
                 shown[pool].update((int(start) + i, c) for i, c in enumerate(cells))
-    assert shown["device"] == {b.block_id: expected_cell(b) for b in bm.blocks}
-    assert shown["cpu"] == {b.block_id: expected_cell(b) for b in bm.cpu_blocks}
+    assert shown["device"] == {b.block_id: expected_cell(b) for b in bm.device.blocks}
+    assert shown["cpu"] == {b.block_id: expected_cell(b) for b in bm.cpu.blocks}
     # the sequences: every live one, with its request, state, block table and last block's fill
     sched = llm.scheduler
     live = {s.seq_id: (r, s) for q in (sched.running, sched.swapped, sched.waiting)
@@ -57,7 +57,7 @@ def check_frame(text, llm, report):
     assert sorted(int(row[0]) for row in rows) == sorted(live)
     for seq_id, request_id, state, ids, fill, block_size in rows:
         request, seq = live[int(seq_id)]
-        pool = bm.cpu_blocks if request.status is RequestStatus.SWAPPED else bm.blocks
+        pool = bm.cpu.blocks if request.status is RequestStatus.SWAPPED else bm.device.blocks
         want = [f"{b}*" if pool[b].ref_count > 1 else str(b) for b in seq.block_table]
         if len(want) > 8:
             want = want[:3] + [f"...{len(want)}..."] + want[-3:]
