@@ -1524,7 +1524,8 @@ DEMOS = {   # name: what it shows
     "prefix": "a system prompt computed once, found in the prefix cache by later requests",
     "fork": "n=4 samples share their prompt's blocks; the last block is copied on write",
     "beam": "beam search, width 3: beams fork and die on shared blocks",
-    "preempt": "five requests in a small pool: swapped out, recomputed when the CPU pool is full",
+    "preempt": "five requests in a small pool: swapped out, or recomputed when the CPU pool "
+               "lacks room for a request's blocks",
     "evict": "finished requests' blocks stay cached until new prompts evict them, oldest first",
 }
 # each demo's pool, of 4-token blocks: small enough for a screen to show every block
