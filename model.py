@@ -64,7 +64,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x):  # (num_tokens, dim); normalised in float32: bfloat16 keeps its precision
+    def forward(self, x):  # (num_tokens, dim); the mean of squares in float32, not bfloat16
         xf = x.float()
         rms = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * (xf * rms).to(x.dtype)
@@ -130,7 +130,7 @@ class Batch:
     input_ids: torch.Tensor        # (T,) int64
     positions: torch.Tensor        # (T,) int64   each token's position in its own sequence
     slot_mapping: torch.Tensor     # (T,) int64   where its K/V go: block_id * block_size + offset
-    block_tables: torch.Tensor     # (S, max_blocks_per_seq) int32, padded with 0 (never read)
+    block_tables: torch.Tensor     # (S, max_blocks_per_seq) int32, padded with 0 (masked)
     context_lens: torch.Tensor     # (S,) int32   tokens in each context, the new ones included
     query_start_loc: torch.Tensor  # (S + 1,) int32  sequence i's new tokens are [qsl[i], qsl[i+1])
     logits_indices: torch.Tensor   # (num_sampled,) int64  last token of each sequence that samples

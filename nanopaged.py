@@ -91,7 +91,7 @@ class Sequence:
         self.block_table = []            # physical block ids: token i: block_table[i // block_size]
         self.block_hashes = []           # hash chain over its full blocks (BlockManager)
         self.waits_for = None            # a sibling computing the blocks they share (_admit)
-        self.prefill_until = 0           # tokens before it are prefill (set at admission)
+        self.prefill_until = 0           # tokens before it count as prefill (a metric's)
         self.finish_reason = None        # "stop" (eos), "length" (max_tokens), "pruned" (beam)
         self.finish_time = None
         self.logprobs = None             # beam search: (vocab,) float32 next-token log-probs, CPU
@@ -138,7 +138,8 @@ class Request:
         self.finished = []     # sequences that ended: samples to return, beams that were dropped
         self.hypotheses = []   # beam search: BeamHypothesis records, the candidates for the output
         # one random stream per sample, so that a sample's draws never depend on the schedule
-        # (which samples shared a step, who was preempted): sample i always draws from stream i
+        # (which samples shared a step, who was preempted): sample i always draws from stream i,
+        # seeded by (seed, i) mixed through a large prime
         sampling = not self.is_beam_search and params.temperature > 0
         self.generators = [torch.Generator().manual_seed((seed * 1_000_003 + i) % 2**63)
                            for i in range(params.n)] if sampling else []
@@ -375,6 +376,7 @@ class BlockManager:
         child.block_table = list(shared)
         self._take_blocks_for_all_tokens(child)
         child.block_hashes = parent.block_hashes[:len(shared)]
+        # its computed tokens are the shared blocks' (due from the leader, for a recomputed one)
         child.num_computed_tokens = min(len(child), len(shared) * self.block_size)
         self.device.seqs[child.seq_id] = child
         self.events.record("fork", [child.seq_id], shared, note=parent.seq_id)
@@ -396,7 +398,9 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         end = seq.num_computed_tokens // self.block_size
-        start = end   # registered blocks form a prefix of the block table: find where it stops
+        # registered blocks form a prefix of the table (blocks are computed in order, and a hit
+        # or a fork hands out a registered prefix): walk back to where registration stops
+        start = end
         while start > 0 and self.device.blocks[seq.block_table[start - 1]].hash is None:
             start -= 1
         for i in range(start, end):
@@ -406,7 +410,8 @@ class BlockManager:
             parent = self.device.blocks[seq.block_table[i - 1]] if i else None
             block.parent_prefix_id = parent.prefix_id if parent else None
             bucket = self.hash_to_block_ids.setdefault(block.hash, {})
-            # a copy of a registered prefix (computed twice in one step) takes its prefix_id
+            # a copy of a registered prefix (two requests computed it in one step, or a swapped-in
+            # copy beside its cached original) takes the original's prefix_id
             key = (block.token_ids, block.parent_prefix_id)
             twins = [self.device.blocks[b] for b in bucket]
             twins = [b for b in twins if (b.token_ids, b.parent_prefix_id) == key]
@@ -531,7 +536,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
-        self.cost = cost   # what 'auto' weighs (section 8); None: swap whenever the CPU has room
+        self.cost = cost   # what 'auto' weighs (section 8); None when there is no CPU pool
         # admitting a prompt leaves this many blocks free, so the next decodes need not preempt
         self.watermark_blocks = int(watermark * block_manager.num_blocks)
         self.waiting = deque()     # requests, FCFS; requests preempted by recompute go in front
@@ -622,8 +627,8 @@ class Scheduler:
 
     def _admit(self, request, batch):
         """Allocate a waiting request's blocks, all its sequences at once. A new request is one
-        sequence. A recomputed n>1 or beam request comes back shared as it ran: its samples fork
-        again from the first one, the leader, sharing the blocks that hold the same tokens. The
+        sequence. A recomputed n>1 or beam request comes back shared: its samples fork again
+        from the first one, the leader, sharing the leading blocks that hold the same tokens. The
         leader computes those (the one time a block with ref_count > 1 is written: once, before
         anybody reads it); the others wait for it (waits_for), then compute only their own."""
         leader, *others = request.seqs
@@ -753,7 +758,8 @@ class LLM:
         if num_blocks is None:
             budget = 0.8 * torch.cuda.mem_get_info(self.device)[0] if cuda else 1 << 30
             num_blocks = max(1, int(budget // bytes_per_block))
-        num_cpu_blocks = num_cpu_blocks or int((swap_space or 0) * (1 << 30) // bytes_per_block)
+        swap_bytes = (swap_space or 0) * (1 << 30)   # swap_space: GiB of host memory
+        num_cpu_blocks = num_cpu_blocks or int(swap_bytes // bytes_per_block)
         check_loaded_model(self, max_model_len, preemption_mode, num_cpu_blocks, swap_space,
                            bytes_per_block)
         # (2, num_layers, num_blocks, block_size, kv_heads, head_dim): K and V of every block
@@ -766,7 +772,8 @@ class LLM:
         self.events = EventLog(debug=debug_blocks)
         self.block_manager = BlockManager(num_blocks, block_size, num_cpu_blocks,
                                           enable_prefix_caching, self.events)
-        self.on_step = []   # callables: each gets every step's StepReport (the view, the log)
+        # callables that get every step's StepReport: the view, the debug log, the auto cost
+        self.on_step = []
         cost = PreemptionCost.measure(self, bytes_per_block) if num_cpu_blocks else None
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
                                    eos_token_ids=eos_token_ids, preemption_mode=preemption_mode,
@@ -931,7 +938,7 @@ class LLM:
                 to_sample.append((request, seq))
         tables = [e.seq.block_table for e in batch.entries]
         max_blocks = max(map(len, tables))
-        block_tables = [t + [0] * (max_blocks - len(t)) for t in tables]   # padded: never read
+        block_tables = [t + [0] * (max_blocks - len(t)) for t in tables]   # padding is masked
         int64 = dict(dtype=torch.long, device=self.device)
         int32 = dict(dtype=torch.int32, device=self.device)
         model_batch = Batch(input_ids=torch.tensor(input_ids, **int64),
@@ -1152,6 +1159,9 @@ def check_block_manager(bm):
         for i, block_id in enumerate(seq.block_table):
             block = blocks[block_id]
             parent = blocks[seq.block_table[i - 1]] if i else None
+            assert block.hash is None or parent is None or parent.hash is not None, \
+                f"hash map: seq {seq.seq_id} block {i} ({block_id}) is registered after a block " \
+                "that is not"
             assert block.hash is None or (
                 block.token_ids == bm._tokens(seq, i)
                 and block.hash == bm._block_hash(seq, i)
