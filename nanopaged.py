@@ -32,6 +32,7 @@ import contextlib
 import io
 import itertools
 import math
+import os
 import sys
 import time
 from collections import Counter, OrderedDict, deque, namedtuple
@@ -107,6 +108,14 @@ class Sequence:
     @property
     def output_token_ids(self):
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_written_tokens(self):
+        """Tokens whose K/V are in the cache now: not those due from a leader (waits_for)."""
+        leader = self.waits_for
+        if leader is None:
+            return self.num_computed_tokens
+        return min(self.num_computed_tokens, leader.num_computed_tokens)
 
     def append_token(self, token_id):
         self.token_ids.append(token_id)
@@ -486,7 +495,7 @@ class BlockManager:
         filled = {}
         for seq in self.device.seqs.values():
             for i, block_id in enumerate(seq.block_table):
-                n = min(self.block_size, max(0, seq.num_computed_tokens - i * self.block_size))
+                n = min(self.block_size, max(0, seq.num_written_tokens - i * self.block_size))
                 filled[block_id] = max(filled.get(block_id, 0), n)
         return sum(filled.values())
 
@@ -841,9 +850,11 @@ class LLM:
         request = self.requests.get(request_id)
         require(request is not None and request.status is RequestStatus.FINISHED,
                 f"request {request_id} is unknown, unfinished or already returned")
-        del self.requests[request_id]
-        if request.is_beam_search:
-            return beam_output(self, request)
+        out = beam_output(self, request) if request.is_beam_search else self._output(request)
+        del self.requests[request_id]   # only once its output is made: an error there loses nothing
+        return out
+
+    def _output(self, request):
         seqs = sorted(request.finished, key=lambda s: s.index)
         outs = [CompletionOutput(s.index, s.output_token_ids, self._detokenize(s.output_token_ids),
                                  s.finish_reason) for s in seqs]
@@ -972,23 +983,7 @@ class LLM:
 
     def stats(self):
         """The engine's metrics (vLLM's names where vLLM has one): fractions (0..1) and counts."""
-        bm = self.block_manager
-        used = bm.num_used_blocks()
-        queries = bm.prefix_cache_queries
-        return {
-            "kv_cache_usage_perc": used / bm.num_blocks,   # cached blocks nobody holds are free
-            "token_occupancy_perc": bm.num_stored_tokens() / max(1, used * bm.block_size),
-            "prefix_cache_queries": queries,               # in tokens
-            "prefix_cache_hits": bm.prefix_cache_hits,     # in tokens
-            "prefix_cache_hit_rate": bm.prefix_cache_hits / queries if queries else 0.0,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_swapped_out_blocks": bm.num_swapped_out_blocks,
-            "num_swapped_in_blocks": bm.num_swapped_in_blocks,
-            "num_cow_copies": bm.num_cow_copies,
-            "num_evictions": bm.num_evictions,
-            "num_prefill_tokens_computed": self.num_prefill_tokens_computed,
-            "num_generated_tokens": self.num_generated_tokens,
-        }
+        return engine_stats(self)   # (section 7)
 
 # ==============================================================================================
 # reading path ends here. Every mechanism is above; below, for a second reading: the checks at
@@ -1020,6 +1015,7 @@ def check_seed(seed):
 
 MIN_TEMPERATURE = 0.01   # logits / temperature overflow float32 near 1e-38; 0 means greedy
 MIN_TOP_P = 1e-6         # top_p is compared with float32 probabilities, where 1e-300 is 0
+MAX_LENGTH_PENALTY = 10  # 131072 ** 10 is about 1e51: no overflow, no division by zero
 
 def check_sampling_params(p):
     t = p.temperature
@@ -1037,8 +1033,10 @@ def check_sampling_params(p):
 def check_beam_search_params(p):
     require_int("beam_width", p.beam_width, 1)
     require_int("max_tokens", p.max_tokens, 1)
-    require(is_number(p.length_penalty),
-            f"length_penalty must be a finite number, got {p.length_penalty!r}")
+    lp = p.length_penalty   # length ** lp must stay a float: lengths reach 2**17 and more
+    require(is_number(lp) and -MAX_LENGTH_PENALTY <= lp <= MAX_LENGTH_PENALTY,
+            f"length_penalty must be a number in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}], "
+            f"got {lp!r}")
     require_bool("ignore_eos", p.ignore_eos)
 
 def check_pool_args(num_blocks, block_size, num_cpu_blocks):
@@ -1054,10 +1052,18 @@ def check_engine_args(model, device, dtype, block_size, num_blocks, num_cpu_bloc
     check_pool_args(1 if num_blocks is None else num_blocks, block_size, num_cpu_blocks)
     require(model is None or isinstance(model, str),
             f"model must be None, a directory or 'random:<preset>', got {model!r}")
-    require(device in (None, "cpu") or str(device).startswith("cuda"),
+    name = str(device)   # a string or a torch.device
+    cuda = name.startswith("cuda")
+    index = name.removeprefix("cuda:")
+    require(device is None or name in ("cpu", "cuda") or (index != name and index.isdigit()),
             f"device must be None, 'cpu' or 'cuda[:index]', got {device!r}")
-    require(dtype in (None, "float32", "bfloat16", "float16") or isinstance(dtype, torch.dtype),
-            f"dtype must be None, 'float32', 'bfloat16', 'float16' or a torch.dtype: {dtype!r}")
+    require(not cuda or torch.cuda.is_available(), f"device {name!r}: CUDA is not available here")
+    require(not cuda or ":" not in name or int(name[5:]) < torch.cuda.device_count(),
+            f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA devices")
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    require(dtype is None or dtype in [str(f).removeprefix("torch.") for f in floats] + [*floats],
+            f"dtype must be None, 'float32', 'bfloat16', 'float16' or one of those torch dtypes, "
+            f"got {dtype!r}")
     require_bool("enable_prefix_caching", enable_prefix_caching)
     require_int("max_num_seqs", max_num_seqs, 1)
     require_int("max_num_batched_tokens", max_num_batched_tokens, 1)
@@ -1067,14 +1073,27 @@ def check_engine_args(model, device, dtype, block_size, num_blocks, num_cpu_bloc
             f"preemption_mode must be 'recompute', 'swap' or 'auto', got {preemption_mode!r}")
     require(swap_space is None or (is_number(swap_space) and swap_space >= 0),
             f"swap_space must be None or a number of GiB >= 0, got {swap_space!r}")
+    ram = host_memory_bytes()
+    require(ram is None or (swap_space or 0) * (1 << 30) <= ram,
+            f"swap_space {swap_space} GiB exceeds this machine's memory ({(ram or 0) >> 30} GiB)")
     require(preemption_mode != "swap" or num_cpu_blocks or swap_space,
             "preemption_mode='swap' needs a CPU pool: num_cpu_blocks > 0 or swap_space (GiB)")
     check_seed(seed)
     require_bool("debug_blocks", debug_blocks)
 
+def host_memory_bytes():   # None where the system does not say
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
 def check_loaded_model(llm, max_model_len, preemption_mode, num_cpu_blocks, swap_space,
                        bytes_per_block):
     """What can only be checked once the model is known: its length, its block size in bytes."""
+    ram = host_memory_bytes()
+    require(ram is None or num_cpu_blocks * bytes_per_block <= ram,
+            f"num_cpu_blocks {num_cpu_blocks} of {bytes_per_block} bytes exceed this machine's "
+            f"memory ({ram >> 30 if ram else 0} GiB)")
     longest = llm.model.config.max_position_embeddings
     require(llm.max_model_len <= longest,
             f"max_model_len {max_model_len} exceeds the model's {longest}")
@@ -1173,7 +1192,7 @@ def check_block_manager(bm):
             f"block table: seq {seq.seq_id}: {len(seq.block_table)} blocks, {len(seq)} tokens"
 
 # ----------------------------------------------------------------------------------------------
-# 7. What happened: events as records, for the live view and the debug log
+# 7. What happened: events as records, for the live view and the debug log; the metrics
 
 def _ids(xs):   # '4, 7, 12' for the event log
     return ", ".join(map(str, xs))
@@ -1233,6 +1252,26 @@ class EventLog:
         records = self.records
         self.records = []
         return records
+
+def engine_stats(llm):
+    """LLM.stats(): the metrics, as vLLM names them where it has them."""
+    bm = llm.block_manager
+    used = bm.num_used_blocks()
+    queries = bm.prefix_cache_queries
+    return {
+        "kv_cache_usage_perc": used / bm.num_blocks,   # cached blocks nobody holds are free
+        "token_occupancy_perc": bm.num_stored_tokens() / max(1, used * bm.block_size),
+        "prefix_cache_queries": queries,               # in tokens
+        "prefix_cache_hits": bm.prefix_cache_hits,     # in tokens
+        "prefix_cache_hit_rate": bm.prefix_cache_hits / queries if queries else 0.0,
+        "num_preemptions": llm.scheduler.num_preemptions,
+        "num_swapped_out_blocks": bm.num_swapped_out_blocks,
+        "num_swapped_in_blocks": bm.num_swapped_in_blocks,
+        "num_cow_copies": bm.num_cow_copies,
+        "num_evictions": bm.num_evictions,
+        "num_prefill_tokens_computed": llm.num_prefill_tokens_computed,
+        "num_generated_tokens": llm.num_generated_tokens,
+    }
 
 def print_debug_log(report):
     """The debug log (debug_blocks=True), an on_step callback: every event of a step, on stderr."""
@@ -1371,6 +1410,12 @@ def beam_output(llm, request):
 
 # ----------------------------------------------------------------------------------------------
 # 11. The live view, drawn with rich after every step
+
+def printable(text):
+    """A newline as a space, other control characters escaped (ESC as \\x1b, a tab as \\t): the
+    text of a prompt or a token never reaches the terminal raw."""
+    text = text.replace("\n", " ")
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 HOLDER_COLOURS = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "orange3"]
 
@@ -1513,12 +1558,12 @@ class View:
             ids = [f"{b}*" if pool[b].ref_count > 1 else f"{b}" for b in seq.block_table]
             if len(ids) > 8:   # long tables: the first blocks, the last, and how many in all
                 ids = ids[:3] + [f"...{len(ids)}..."] + ids[-3:]
-            stored = seq.num_computed_tokens - bm.block_size * (len(seq.block_table) - 1)
+            stored = seq.num_written_tokens - bm.block_size * (len(seq.block_table) - 1)
             fill = min(bm.block_size, max(0, stored)) if seq.block_table else 0   # K/V in it
             tail = self.llm._detokenize(seq.token_ids[-10:]) or repr(seq.token_ids[-6:])
             line = (f"{seq.seq_id:>5} {request.request_id:>4}  {request.status.value:<8} "
                     f"{'[' + ' '.join(ids) + ']':<26} {fill:>3}/{bm.block_size:<4}  ")
-            lines.append(Text(line + tail.replace("\n", " ")[:max(0, width - len(line))]))
+            lines.append(Text(line + printable(tail)[:max(0, width - len(line))]))
         if len(rows) > max_rows:
             lines.append(Text(f"  ... and {len(rows) - max_rows} more sequences", "dim"))
         return lines
@@ -1568,14 +1613,26 @@ def demo_text(llm):
         return lambda s: s
     return lambda s: [sum(w.encode()) % llm.model.config.vocab_size for w in s.split()]
 
+def demo_pool(name, block_size):
+    """The demo's pool: its blocks are counted for 4-token blocks, so smaller blocks get more."""
+    pool = dict(DEMO_POOLS[name])
+    for key in ("num_blocks", "num_cpu_blocks"):
+        if key in pool:
+            pool[key] *= max(1, 4 // block_size)
+    return pool
+
 def run_demo(llm, name, live=False, trace=False, delay=0.0, svg=None):
     """Run a demo's waves through llm, watched (live), traced (a snapshot per step) or neither;
-    print every output. Returns the run's seconds and the view's drawing seconds (0 without)."""
+    print every output. Returns the run's seconds and the view's drawing seconds (0 without).
+    Every wave's requests are checked before the first runs: a ValueError leaves nothing run."""
+    waves = demo_waves(name, demo_text(llm))
+    for prompts, params in waves:
+        checked_requests(llm, prompts, params, type(params))
     view = View(llm, live=live, delay=delay, svg=svg) if live or trace or svg else None
     t0 = time.perf_counter()
     with view or contextlib.nullcontext():
         outputs = []
-        for prompts, params in demo_waves(name, demo_text(llm)):
+        for prompts, params in waves:
             if isinstance(params, BeamSearchParams):
                 outputs += [(o.request_id, s.text or s.token_ids, f"score {s.score:.3f}")
                             for o in llm.beam_search(prompts, params) for s in o.sequences]
@@ -1586,15 +1643,27 @@ def run_demo(llm, name, live=False, trace=False, delay=0.0, svg=None):
         print(f"[{request_id}] {text_or_ids!r}  ({how})")
     return time.perf_counter() - t0, view.draw_seconds if view else 0.0
 
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):   # bad input on the command line: one line, exit status 2
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+def delay_seconds(text):   # --delay: a finite number of seconds >= 0
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
+    return value
+
 def main():
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         description="nanopaged: run a demo through a paged KV cache and watch its blocks",
         epilog="demos: " + "; ".join(f"{name}: {what}" for name, what in DEMOS.items()))
     p.add_argument("--demo", default="mix", choices=DEMOS, help="which demo to run (see below)")
     p.add_argument("--live", action="store_true", help="redraw the pool and tables every step")
     p.add_argument("--trace", action="store_true", help="print a plain snapshot every step")
     p.add_argument("--svg", default=None, help="save the view of the busiest step to this file")
-    p.add_argument("--delay", type=float, default=0.0, help="seconds to pause after each step")
+    p.add_argument("--delay", type=delay_seconds, default=0.0,
+                   help="seconds to pause after each step (with --live or --trace)")
     p.add_argument("--model", help="None: SmolLM2-135M-Instruct; a directory; random:<preset>")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--block-size", type=int, default=4, help="tokens per KV cache block")
@@ -1605,15 +1674,24 @@ def main():
     p.add_argument("--max-num-batched-tokens", type=int, help="tokens a step computes at most")
     p.add_argument("--debug-blocks", action="store_true", help="log every block event to stderr")
     args = p.parse_args()
-    kwargs = dict(DEMO_POOLS[args.demo], block_size=args.block_size, debug_blocks=args.debug_blocks,
-                  enable_prefix_caching=not args.no_prefix_caching)
+    if args.svg and not os.path.isdir(os.path.dirname(os.path.abspath(args.svg))):
+        p.error(f"--svg {args.svg}: no such folder")
+    if args.block_size < 1:
+        p.error(f"--block-size must be a positive power of two, got {args.block_size}")
+    if args.delay and not (args.live or args.trace):
+        p.error("--delay pauses the view: give --live or --trace with it")
+    kwargs = dict(demo_pool(args.demo, args.block_size), block_size=args.block_size,
+                  debug_blocks=args.debug_blocks, enable_prefix_caching=not args.no_prefix_caching)
     optional = ("num_blocks", "num_cpu_blocks", "preemption_mode", "max_num_batched_tokens")
     kwargs.update({k: getattr(args, k) for k in optional if getattr(args, k) is not None})
-    llm = LLM(args.model, device=args.device, **kwargs)
+    llm = None
     try:
+        llm = LLM(args.model, device=args.device, **kwargs)
         seconds, drawing = run_demo(llm, args.demo, args.live, args.trace, args.delay, args.svg)
+    except ValueError as e:   # bad input: nothing ran
+        p.error(str(e))
     except KeyboardInterrupt:   # Ctrl-C: the view has given the terminal back
-        print(f"interrupted after step {llm.num_steps}")
+        print(f"interrupted after step {llm.num_steps if llm else 0}")
         sys.exit(130)
     for k, v in llm.stats().items():
         print(f"{k:28} {v:.3f}" if isinstance(v, float) else f"{k:28} {v}")

@@ -1,0 +1,145 @@
+"""Hostile input, tried as a user would: each bad value gets a ValueError at the API (or one line
+and exit status 2 on the command line) before any work starts, no output is lost while it is
+made, the view never passes control characters to the terminal, and occupancy counts only the
+slots whose K/V are written."""
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from rich.console import Console
+
+import nanopaged
+from conftest import assert_no_block_held, checked
+from nanopaged import (DEMOS, LLM, BeamSearchParams, SamplingParams, ScheduledBatch, View,
+                       checked_requests, demo_pool, demo_text, demo_waves)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GOOD = [5, 6, 7, 8, 9, 10]
+GREEDY = SamplingParams(temperature=0, max_tokens=4)
+
+BAD_ENGINE_ARGUMENTS = {   # each used to pass the checks and fail later, after the model loaded
+    "dtype=torch.int64": (dict(dtype=torch.int64), "dtype"),
+    "dtype=torch.bool": (dict(dtype=torch.bool), "dtype"),
+    "device='cudaXYZ'": (dict(device="cudaXYZ"), "device"),
+    "swap_space=1e12": (dict(swap_space=1e12), "swap_space"),
+    "num_cpu_blocks=10**12": (dict(num_cpu_blocks=10 ** 12), "num_cpu_blocks"),
+}
+if not torch.cuda.is_available():
+    BAD_ENGINE_ARGUMENTS["device='cuda' without CUDA"] = (dict(device="cuda"), "CUDA")
+
+
+@pytest.mark.parametrize("case", list(BAD_ENGINE_ARGUMENTS))
+def test_bad_engine_argument_is_a_value_error(case):
+    """An LLM argument the engine cannot run with is a ValueError naming it."""
+    kwargs, match = BAD_ENGINE_ARGUMENTS[case]
+    with pytest.raises(ValueError, match=match):
+        LLM("random:tiny", **{"num_blocks": 16, **kwargs})
+
+
+def test_a_torch_device_is_accepted():
+    """device=torch.device('cpu') is the same engine as device='cpu'."""
+    llm = LLM("random:tiny", device=torch.device("cpu"), num_blocks=16)
+    want = LLM("random:tiny", device="cpu", num_blocks=16).generate([GOOD], GREEDY)
+    assert llm.generate([GOOD], GREEDY)[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("length_penalty", [300, -300, 10.5])
+def test_a_length_penalty_that_could_overflow_is_refused(length_penalty):
+    """length ** length_penalty must stay a finite, nonzero float: the penalty is bounded."""
+    with pytest.raises(ValueError, match="length_penalty"):
+        BeamSearchParams(beam_width=2, length_penalty=length_penalty)
+
+
+def test_the_largest_length_penalties_score_without_error():
+    """At the bounds, beam search runs and returns finite scores, best first."""
+    llm = LLM("random:tiny", block_size=4, num_blocks=64)
+    for length_penalty in (10, -10):
+        params = BeamSearchParams(beam_width=2, max_tokens=6, length_penalty=length_penalty)
+        scores = [s.score for s in llm.beam_search([GOOD], params)[0].sequences]
+        assert all(abs(s) < float("inf") for s in scores) and scores == sorted(scores, reverse=True)
+    assert_no_block_held(llm)
+
+
+def test_an_error_while_an_output_is_made_loses_nothing(monkeypatch):
+    """If making a finished request's output raises, the request stays to be taken again."""
+    llm = LLM("random:tiny", block_size=4, num_blocks=64)
+    params = BeamSearchParams(beam_width=2, max_tokens=4)
+    [request_id] = llm.add_requests([GOOD], params, kind=BeamSearchParams)
+    while llm.scheduler.has_unfinished():
+        llm.step()
+    real = nanopaged.beam_output
+
+    def broken(*args):
+        raise ZeroDivisionError("injected")
+
+    monkeypatch.setattr(nanopaged, "beam_output", broken)
+    with pytest.raises(ZeroDivisionError):
+        llm.output(request_id)
+    monkeypatch.setattr(nanopaged, "beam_output", real)
+    want = LLM("random:tiny", block_size=4, num_blocks=64).beam_search([GOOD], params)[0]
+    assert [s.token_ids for s in llm.output(request_id).sequences] == \
+        [s.token_ids for s in want.sequences]
+
+
+BAD_COMMAND_LINES = [   # each printed a traceback, or failed only after the run
+    ["--block-size", "3"], ["--block-size", "0"], ["--num-blocks", "0"], ["--num-blocks", "5"],
+    ["--max-num-batched-tokens", "0"], ["--num-cpu-blocks", "-1"],
+    ["--model", "random:nonsense"], ["--preemption-mode", "swap", "--num-cpu-blocks", "0"],
+    ["--delay", "-1", "--trace"], ["--delay", "nan", "--trace"], ["--delay", "1"],
+    ["--svg", os.path.join("no", "such", "folder", "view.svg")],
+]
+
+
+@pytest.mark.parametrize("argv", BAD_COMMAND_LINES, ids=" ".join)
+def test_a_bad_command_line_is_one_line_and_exit_status_2(argv):
+    """python nanopaged.py with a bad value prints one line, `error:` and why, and exits 2."""
+    model = [] if "--model" in argv else ["--model", "random:tiny"]
+    run = subprocess.run([sys.executable, "nanopaged.py", *model, *argv], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    lines = run.stderr.strip().splitlines()
+    assert (run.returncode, len(lines)) == (2, 1), run.stderr
+    assert "error:" in lines[0] and "Traceback" not in run.stderr and not run.stdout
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 8])
+@pytest.mark.parametrize("name", list(DEMOS))
+def test_every_demo_pool_fits_its_requests_at_any_block_size(name, block_size):
+    """A demo's pool is counted in tokens: at block size 1 or 2 its requests still fit."""
+    llm = LLM("random:tiny", block_size=block_size, **demo_pool(name, block_size))
+    for prompts, params in demo_waves(name, demo_text(llm)):
+        assert checked_requests(llm, prompts, params, type(params))
+
+
+def test_the_view_escapes_control_characters():
+    """A prompt holding ESC [2J (clear screen) and a tab reaches the view escaped, never raw."""
+    llm = LLM(block_size=4, num_blocks=64)   # the default model: text through its tokenizer
+    console = Console(record=True, width=120, color_system=None, file=io.StringIO())
+    with View(llm, live=False, console=console):
+        llm.generate(["Hi \x1b[2J\tthere"], SamplingParams(temperature=0, max_tokens=2))
+    text = console.export_text()
+    assert "\x1b" not in text and "\t" not in text
+    assert "\\x1b[2J\\tthere" in text
+
+
+def test_occupancy_counts_only_written_slots_of_a_recomputed_n_gt_1_request():
+    """A recomputed n=2 request's second sample shares blocks its leader has not yet written: they
+    count as stored only once written (token_occupancy_perc and the view's last-block fill)."""
+    llm = checked(LLM("random:tiny", block_size=4, num_blocks=64, max_num_batched_tokens=4,
+                      enable_prefix_caching=False))
+    llm.add_requests([list(range(20, 36))], SamplingParams(temperature=0, n=2, max_tokens=8))
+    while llm.num_steps < 7:   # 4 prefill chunks, the fork, 3 decodes
+        llm.step()
+    [request] = llm.scheduler.running
+    assert len(request.seqs) == 2
+    llm.scheduler.preempt(request, ScheduledBatch(budget=4), mode="recompute")
+    report = llm.step()   # the leader computes one 4-token chunk; its sibling waits for it
+    leader, sibling = request.seqs
+    assert sibling.waits_for is leader and leader.num_computed_tokens == 4
+    used = llm.block_manager.num_used_blocks()
+    assert report.stats["token_occupancy_perc"] == 4 / (used * 4)   # the leader's 4 slots alone
+    while llm.scheduler.has_unfinished():
+        llm.step()
+    assert_no_block_held(llm)
