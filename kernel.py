@@ -12,10 +12,9 @@ its context_lens[i] tokens and attend causally to everything before them (q_len 
 chunk for a prefill), with grouped-query attention (num_heads a multiple of num_kv_heads).
 
 Read it in order, as a Triton tutorial: the K/V write; the PyTorch reference (the CPU path and
-the kernel's oracle; tests hold it to plain attention, a sequence at a time); the Triton kernel;
-its launcher and flash-decoding switch (num_kv_splits); dispatch, where the reading path ends.
-After it: the check and the benchmark. A first reading skips every NUM_SPLITS branch (the
-flash-decoding split and merge, a speed trick for long contexts and few sequences).
+the kernel's oracle, held by the tests to plain attention); the Triton kernel; its launcher and
+flash-decoding switch (num_kv_splits); dispatch, where the reading path ends; then the check and
+the benchmark. A first reading skips every NUM_SPLITS branch (flash-decoding's split and merge).
 
     python kernel.py    checks the kernel against the reference over 36 shapes (CPU: interpreted,
                         float32; CUDA: compiled, bfloat16); on CUDA it also times decode against
@@ -277,12 +276,10 @@ def random_case(seed=0, block_size=4, num_kv_heads=2, group=3, head_dim=16,
     max_blocks = max((c + block_size - 1) // block_size for c, _ in ctx_q)
     # (num_blocks, block_size, kv_heads, head_dim), 3 blocks more than the tables use
     shape = (num_seqs * max_blocks + 3, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=g)
-    v_cache = torch.randn(shape, generator=g)
+    k_cache, v_cache = torch.randn(2, *shape, generator=g)
     block_ids = torch.randperm(shape[0], generator=g)[:num_seqs * max_blocks]
     block_tables = block_ids.view(num_seqs, max_blocks).int()          # (num_seqs, max_blocks)
-    q_lens = torch.tensor([0] + [n for _, n in ctx_q], dtype=torch.int32)
-    qsl = q_lens.cumsum(0).int()                                       # (num_seqs + 1,)
+    qsl = torch.tensor([0] + [n for _, n in ctx_q]).cumsum(0).int()    # (num_seqs + 1,)
     q = torch.randn(int(qsl[-1]), num_kv_heads * group, head_dim, generator=g)   # (T, heads, dim)
     context_lens = torch.tensor([c for c, _ in ctx_q], dtype=torch.int32)      # (num_seqs,)
     floats = [x.to(device, dtype) for x in (q, k_cache, v_cache)]
@@ -293,9 +290,8 @@ def random_case(seed=0, block_size=4, num_kv_heads=2, group=3, head_dim=16,
 # Benchmark (CUDA): decode against the bytes it must read, and against contiguous attention
 
 def bench_decode(batches=(1, 8, 64, 256), contexts=(512, 1024, 2048, 4096, 8192, 16384)):
-    """Decode, 32 query heads on 8 KV heads, head_dim 128, block_size 16, bfloat16. A decode reads
-    every K and V of its context once: bytes / time is the kernel's bandwidth, held against a device
-    copy timed in the same run; its time against scaled_dot_product_attention on contiguous K/V."""
+    """Decode, 32 query heads on 8 KV heads, head_dim 128, block_size 16, bfloat16, reads its K/V
+    once: bytes / time is its bandwidth, against a device copy's; its time, against sdpa's."""
     from triton.testing import do_bench
     num_heads, num_kv_heads, head_dim, block_size = 32, 8, 128, 16
     bf16 = dict(dtype=torch.bfloat16, device="cuda")
@@ -330,10 +326,8 @@ def bench_decode(batches=(1, 8, 64, 256), contexts=(512, 1024, 2048, 4096, 8192,
 
 if __name__ == "__main__":
     cuda = torch.cuda.is_available()
-    device = "cuda" if cuda else "cpu"
-    dtype = torch.bfloat16 if cuda else torch.float32
-    tol = 2e-2 if cuda else 1e-4
-    how = "compiled" if cuda else "Triton interpreter"
+    device, dtype, tol, how = (("cuda", torch.bfloat16, 2e-2, "compiled") if cuda else
+                               ("cpu", torch.float32, 1e-4, "Triton interpreter"))
     print(f"paged attention on {device} in {dtype} ({how}) against the PyTorch reference; "
           f"relative error must stay under {tol}")
     print(f"{'block':>5} {'group':>5} {'head_dim':>8} {'splits':>6} {'triton vs ref':>13}")

@@ -29,11 +29,14 @@ After the line, for a second reading: 5. API guards (every check of an argument 
 import argparse
 import bisect
 import contextlib
+import copy
 import io
 import itertools
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from collections import Counter, OrderedDict, deque, namedtuple
 from dataclasses import dataclass, field
@@ -809,37 +812,39 @@ class LLM:
     def add_requests(self, prompts, params=None, kind=SamplingParams):
         """Validate all, then queue all: a bad prompt leaves the engine as it was. Returns ids."""
         request_ids = []
-        for token_ids, p in checked_requests(self, prompts, params, kind):   # (section 5)
-            request_id = next(self.request_ids)
-            seed = getattr(p, "seed", None)
-            seed = (self.seed * 1_000_003 + request_id) % 2**63 if seed is None else seed
-            self.requests[request_id] = Request(request_id, token_ids, p, seed)
-            self.scheduler.add(self.requests[request_id])
-            request_ids.append(request_id)
+        checked = checked_requests(self, prompts, params, kind)   # (section 5)
+        with interrupts_held():   # Ctrl-C waits until all are queued (section 9)
+            for token_ids, p in checked:
+                request_id = next(self.request_ids)
+                seed = getattr(p, "seed", None)
+                seed = (self.seed * 1_000_003 + request_id) % 2**63 if seed is None else seed
+                self.requests[request_id] = Request(request_id, token_ids, p, seed)
+                self.scheduler.add(self.requests[request_id])
+                request_ids.append(request_id)
         return request_ids
 
     def generate(self, prompts, params=None, live=False):
         """prompts: a string, a list of strings or of token-id lists; params: one for all, or one
         per prompt; live: watch it in the terminal (View). Returns a RequestOutput per prompt."""
-        request_ids = self.add_requests(prompts, params)
-        self._run(request_ids, live)
-        return [self.output(r) for r in request_ids]
+        return self._run(prompts, params, SamplingParams, live)
 
     def beam_search(self, prompts, params, live=False):
         """Keep the beam_width most likely continuations of each prompt (section 10). Returns one
         BeamSearchOutput per prompt, its sequences best first."""
-        request_ids = self.add_requests(prompts, params, kind=BeamSearchParams)
-        self._run(request_ids, live)
-        return [self.output(r) for r in request_ids]
+        return self._run(prompts, params, BeamSearchParams, live)
 
-    def _run(self, request_ids, live=False):
-        """Step until these requests finish (watched, if live). If a step raises, they are
-        dropped with all their blocks (the engine keeps serving the others); the error goes on."""
-        requests = [self.requests[r] for r in request_ids]
+    def _run(self, prompts, params, kind, live):
+        """Queue the prompts, step until they finish (watched, if live), return their outputs. If
+        anything raises (an error, Ctrl-C), this call's requests are dropped and it goes on."""
+        request_ids = []
         try:
+            with interrupts_held():   # queued and known here, or not queued at all
+                request_ids = self.add_requests(prompts, params, kind)
+            requests = [self.requests[r] for r in request_ids]
             with View(self) if live else contextlib.nullcontext():
                 while any(r.status is not RequestStatus.FINISHED for r in requests):
                     self.step()
+            return [self.output(r) for r in request_ids]
         except BaseException:
             abort(self, request_ids)   # (section 9)
             raise
@@ -870,18 +875,19 @@ class LLM:
 
     def step(self):
         """One engine step (the story is in _step). Returns its StepReport, which every callable
-        in on_step gets too. A step that fails partway leaves every request to be recomputed."""
+        in on_step gets too. A step that raises (an error, Ctrl-C) is undone first (section 9)."""
         require(self.scheduler.has_unfinished(), "step(): nothing to run; add_requests() first")
         t0 = time.perf_counter()
         self.events.step = self.num_steps + 1
+        undo = Undo(self)   # what the step may change, kept to be put back
         try:
             batch = self._step()
-        except BaseException:   # an error, or Ctrl-C: nothing of this step can be trusted
-            recover_from_failed_step(self)   # (section 9)
+            self.num_steps += 1
+            seconds = time.perf_counter() - t0
+            report = StepReport(self.num_steps, batch, self.events.take(), self.stats(), seconds)
+        except BaseException:
+            undo.restore()
             raise
-        self.num_steps += 1
-        seconds = time.perf_counter() - t0
-        report = StepReport(self.num_steps, batch, self.events.take(), self.stats(), seconds)
         for callback in self.on_step:
             callback(report)
         return report
@@ -1000,19 +1006,14 @@ def require(ok, message):
 
 def is_int(x):
     return isinstance(x, int) and not isinstance(x, bool)   # True is an int to Python, not to us
-
 def is_number(x):   # a finite int or float
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
 def require_int(name, x, low, note=""):   # a ValueError naming the parameter and its bound
     require(is_int(x) and x >= low, f"{name} must be an int >= {low}{note}, got {x!r}")
-
 def require_bool(name, x):
     require(isinstance(x, bool), f"{name} must be a bool, got {x!r}")
-
 def check_seed(seed):
     require(is_int(seed) and 0 <= seed < 2**63, f"seed must be an int in [0, 2**63), got {seed!r}")
-
 MIN_TEMPERATURE = 0.01   # logits / temperature overflow float32 near 1e-38; 0 means greedy
 MIN_TOP_P = 1e-6         # top_p is compared with float32 probabilities, where 1e-300 is 0
 MAX_LENGTH_PENALTY = 10  # 131072 ** 10 is about 1e51: no overflow, no division by zero
@@ -1062,8 +1063,7 @@ def check_engine_args(model, device, dtype, block_size, num_blocks, num_cpu_bloc
             f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA devices")
     floats = (torch.float32, torch.bfloat16, torch.float16)
     require(dtype is None or dtype in [str(f).removeprefix("torch.") for f in floats] + [*floats],
-            f"dtype must be None, 'float32', 'bfloat16', 'float16' or one of those torch dtypes, "
-            f"got {dtype!r}")
+            f"dtype must be None, 'float32', 'bfloat16', 'float16' (or torch's), got {dtype!r}")
     require_bool("enable_prefix_caching", enable_prefix_caching)
     require_int("max_num_seqs", max_num_seqs, 1)
     require_int("max_num_batched_tokens", max_num_batched_tokens, 1)
@@ -1132,7 +1132,6 @@ def checked_requests(llm, prompts, params, kind):
 def validate_request(llm, token_ids, params):
     """Everything that could go wrong with a request, checked before anything changes."""
     vocab = llm.model.config.vocab_size
-    num_blocks = llm.block_manager.num_blocks
     max_num_seqs = llm.scheduler.max_num_seqs
     require(len(token_ids) > 0, "empty prompt: a prompt needs at least one token")
     bad = [t for t in token_ids if not (is_int(t) and 0 <= t < vocab)]
@@ -1144,9 +1143,9 @@ def validate_request(llm, token_ids, params):
     require(not isinstance(params, BeamSearchParams) or 2 * params.beam_width <= vocab,
             f"beam_width {params.n}: 2 * beam_width candidates exceed the vocabulary ({vocab})")
     need = llm.max_blocks_needed(len(token_ids), params)
-    require(need <= num_blocks,
+    require(need <= llm.block_manager.num_blocks,
             f"the pool is too small for this request: it may need {need} blocks, the pool has "
-            f"{num_blocks}; raise num_blocks, or lower max_tokens or n")
+            f"{llm.block_manager.num_blocks}; raise num_blocks, or lower max_tokens or n")
 
 # ----------------------------------------------------------------------------------------------
 # 6. Invariant checks: the block manager's rules, asserted (the tests call them after every step)
@@ -1179,8 +1178,7 @@ def check_block_manager(bm):
             block = blocks[block_id]
             parent = blocks[seq.block_table[i - 1]] if i else None
             assert block.hash is None or parent is None or parent.hash is not None, \
-                f"hash map: seq {seq.seq_id} block {i} ({block_id}) is registered after a block " \
-                "that is not"
+                f"hash map: seq {seq.seq_id} block {i} ({block_id}) follows an unregistered block"
             assert block.hash is None or (
                 block.token_ids == bm._tokens(seq, i)
                 and block.hash == bm._block_hash(seq, i)
@@ -1229,14 +1227,12 @@ class Event:
         return EVENT_WORDS[self.kind].format(seqs=_ids(self.seq_ids), blocks=_ids(self.block_ids),
                                              to=_ids(self.to_ids), note=self.note)
 
+@dataclass
 class EventLog:
-    """Where the block manager and the scheduler write what happened, for the engine to stamp with
-    its step and take. Debug kinds (one per ref-count change) are kept only when debug is on."""
-
-    def __init__(self, debug=False):
-        self.debug = debug
-        self.step = 0
-        self.records = []
+    """What the block manager and the scheduler did, for the engine to take after each step."""
+    debug: bool = False   # keep the debug kinds too: one event per ref-count change
+    step: int = 0         # the step the engine is in, stamped on each record
+    records: list = field(default_factory=list)   # of Event
 
     def record(self, kind, seq_ids=(), block_ids=(), to_ids=(), note=""):
         if self.debug or kind not in DEBUG_KINDS:
@@ -1244,13 +1240,11 @@ class EventLog:
                                       tuple(to_ids), str(note)))
 
     def record_ref(self, pool, kind, seq, block):   # a debug kind: a ref-count change
-        if self.debug:
-            note = f"{pool.name} pool, ref {block.ref_count}"
-            self.record(kind, [seq.seq_id], [block.block_id], note=note)
+        note = f"{pool.name} pool, ref {block.ref_count}"   # (kept only when debug is on)
+        self.record(kind, [seq.seq_id], [block.block_id], note=note)
 
     def take(self):
-        records = self.records
-        self.records = []
+        records, self.records = self.records, []
         return records
 
 def engine_stats(llm):
@@ -1284,17 +1278,15 @@ def print_debug_log(report):
 @dataclass
 class PreemptionCost:
     """A recompute costs tokens * seconds_per_token, the engine's average over its steps (an upper
-    estimate: a step's fixed cost is spread over its tokens). A swap costs 2 * blocks *
-    bytes_per_block / copy bandwidth, timed when the engine starts by a round trip of a few
-    blocks."""
+    estimate: a step's fixed cost is spread over its tokens); a swap, 2 * blocks * bytes_per_block
+    / copy bandwidth, timed when the engine starts by a round trip of a few blocks."""
     bytes_per_block: int
     swap_bytes_per_second: float
     seconds_per_token: float = 0.0   # 0 until the first step is measured
 
     @classmethod
     def measure(cls, llm, bytes_per_block):
-        """Time a device -> CPU -> device round trip of a few blocks; then keep seconds_per_token
-        up to date after every step of llm (an on_step callback)."""
+        """Times the round trip now; observe, an on_step callback, keeps seconds_per_token."""
         probe = range(min(8, llm.kv_cache.shape[2], llm.cpu_cache.shape[2]))   # block ids
         for _ in range(2):   # the first round warms up
             t0 = time.perf_counter()
@@ -1322,33 +1314,85 @@ class PreemptionCost:
         return "swap" if swap_seconds < num_tokens * self.seconds_per_token else "recompute"
 
 # ----------------------------------------------------------------------------------------------
-# 9. Failure recovery: a step that raised (an error, Ctrl-C) leaves no half-done work behind
+# 9. Failure recovery: a step that raises (an error, Ctrl-C) is undone
+# LLM.step keeps an Undo (the engine's objects, the requests the step can touch, their random
+# streams) to put back if the step raises, all but K/V it may have half-written: every request
+# the pools held is recomputed. The prefix cache stays: a block is registered once its K/V are
+# written, unregistered before it is written again, so a recompute finds its full blocks there.
 
-def recover_from_failed_step(llm):
-    """The step's copies and K/V writes may not have happened: every request gives its blocks
-    back, to be recomputed from its tokens, which are safe."""
-    llm.events.take()
-    sched = llm.scheduler
-    holders = sorted(sched.running + sched.swapped, key=lambda r: r.request_id)
-    for request in reversed(holders):   # the newest first, so that the oldest ends in front
-        sched._recompute(request)
-    sched.running.clear()
-    sched.swapped.clear()
+def copy_state(obj):   # an object's attributes, its lists and deques copied: a step edits those
+    return {k: copy.copy(v) if isinstance(v, (list, deque)) else v for k, v in vars(obj).items()}
+
+class Undo:
+    """What one step may change, copied before it starts; restore() puts it back."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        sched = llm.scheduler
+        # the requests it can touch: running, swapped, and the waiting ones it can admit or try
+        room = sched.max_num_seqs - sum(r.max_num_running_seqs for r in sched.running)
+        waiting = itertools.islice(sched.waiting, max(0, room) + 1)
+        requests = [*sched.running, *sched.swapped, *waiting]
+        objects = [llm, sched, llm.block_manager, llm.events, *requests,
+                   *(s for r in requests for s in r.seqs)]
+        self.states = [(obj, copy_state(obj)) for obj in objects]
+        self.random_states = [(g, g.get_state()) for r in requests for g in r.generators]
+
+    def restore(self):
+        with interrupts_held():   # a Ctrl-C now waits until the engine is whole again
+            sched, bm = self.llm.scheduler, self.llm.block_manager
+            registered = bm.hash_to_block_ids   # as the step left it: a block goes in last
+            for obj, state in self.states:
+                vars(obj).update(state)
+            for generator, state in self.random_states:
+                generator.set_state(state)
+            bm.hash_to_block_ids = {}
+            for pool in (bm.device, bm.cpu):   # nobody holds a block; the registered stay cached
+                for block in pool.blocks:
+                    if block.block_id in registered.get(block.hash, ()):   # whole: K/V written
+                        block.ref_count = 0
+                        bm.hash_to_block_ids.setdefault(block.hash, {})[block.block_id] = None
+                    else:   # not registered, or half registered or half evicted as the step stopped
+                        vars(block).update(vars(Block(block.block_id)))
+                cached = [b.block_id for b in pool.blocks if b.hash is not None]   # LRU: by id
+                pool.cached_block_ids = OrderedDict.fromkeys(cached)
+                pool.free_block_ids = deque(b.block_id for b in pool.blocks if b.hash is None)
+                pool.seqs = {}
+            holders = sorted(sched.running + sched.swapped, key=lambda r: r.request_id)
+            sched.running, sched.swapped = [], []
+            for request in reversed(holders):   # the newest first, so that the oldest ends in front
+                for seq in request.seqs:
+                    seq.block_table = []
+                sched._recompute(request)
+
+@contextlib.contextmanager
+def interrupts_held():
+    """Ctrl-C (SIGINT, which only the main thread gets) waits while the block runs, then raises."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            signal.raise_signal(signal.SIGINT)   # to the handler that was there before
 
 def abort(llm, request_ids):
-    """Drop these requests wherever they are and give their blocks back (after a step raised)."""
-    sched = llm.scheduler
-    for request in map(llm.requests.pop, request_ids):
-        for queue in (sched.waiting, sched.running, sched.swapped):
-            if request in queue:
-                queue.remove(request)
-        for seq in request.seqs:
-            llm.block_manager.free(seq)
-        request.status = RequestStatus.FINISHED
+    """Drop these requests wherever they are, with their blocks (their call raised)."""
+    with interrupts_held():
+        for request in [llm.requests.pop(r) for r in request_ids if r in llm.requests]:
+            for queue in (llm.scheduler.waiting, llm.scheduler.running, llm.scheduler.swapped):
+                if request in queue:
+                    queue.remove(request)
+            for seq in request.seqs:
+                llm.block_manager.free(seq)
+            request.status = RequestStatus.FINISHED
 
 # ----------------------------------------------------------------------------------------------
 # 10. Beam search: the beams of a request are forks of one another, on shared blocks
-#
 # Each round every live beam offers its 2 * beam_width likeliest next tokens (vLLM's rule); an eos
 # candidate completes a hypothesis, the beam_width best others live on: a beam chosen twice forks
 # (ref_count + 1, no copy), one not chosen is freed, and the beams' common prefix stays shared.
@@ -1393,14 +1437,11 @@ def beam_round(scheduler, request):
     return len(chosen)
 
 def beam_output(llm, request):
-    """The beam_width best hypotheses, by cum_logprob / length ** length_penalty, where length
-    counts the prompt and the output but not an ending eos (vLLM's rule)."""
+    """The beam_width best hypotheses, by vLLM's score: the length counts no ending eos."""
     params = request.params
-
     def score(h):
         length = len(request.prompt_token_ids) + len(h.token_ids) - (h.finish_reason == "stop")
         return h.cum_logprob / length ** params.length_penalty
-
     best = sorted(request.hypotheses, key=score, reverse=True)[:params.beam_width]
     sequences = [BeamSearchSequence(h.token_ids, llm._detokenize(h.token_ids), h.cum_logprob,
                                     score(h), h.finish_reason) for h in best]
@@ -1412,18 +1453,15 @@ def beam_output(llm, request):
 # 11. The live view, drawn with rich after every step
 
 def printable(text):
-    """A newline as a space, other control characters escaped (ESC as \\x1b, a tab as \\t): the
-    text of a prompt or a token never reaches the terminal raw."""
+    """Text for the terminal, never raw: a newline as a space, other control characters escaped."""
     text = text.replace("\n", " ")
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 HOLDER_COLOURS = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "orange3"]
 
 class View:
-    """Draws the engine after every step (an LLM.on_step callback): the pools, a cell per block
-    with its ref_count in its holder's colour (bold: shared; white: several requests); a row per
-    sequence with its block table (*: shared); the metrics; the last events. live: redraw in
-    place; else a trace. `with View(llm): llm.generate(...)`, or generate(..., live=True)."""
+    """Draws the engine after every step (an on_step callback): pools, sequences, metrics, events;
+    live: redraw in place, else a trace. `with View(llm): llm.generate(...)`, or live=True."""
 
     def __init__(self, llm, live=True, console=None, delay=0.0, svg=None):
         self.llm = llm
@@ -1531,8 +1569,7 @@ class View:
         pools = [("device pool", bm.device, 64 if width >= 110 + cpu_cols else 32)]
         if cpu_cols:
             pools.append(("cpu pool", bm.cpu, cpu_cols))
-        titles = []
-        columns = []   # each pool's rows, padded to the column's width: 6 + n cells
+        titles, columns = [], []   # columns: each pool's rows, padded to its width, 6 + n cells
         for title, pool, n in pools:
             per_cell = max(1, math.ceil(len(pool.blocks) / (n * max_rows)))
             cells = self._cells(pool.blocks, pool.seqs.values(), per_cell)
@@ -1543,12 +1580,10 @@ class View:
         for i in range(max(map(len, columns))):
             parts = [rows[i] if i < len(rows) else Text(" " * len(rows[0])) for rows in columns]
             lines.append(Text("  │ ").join(parts))
-        legend = "digits: ref_count (bold: shared)   ·: cached   .: free"
-        return lines + [Text(legend, "dim")]
+        return lines + [Text("digits: ref_count (bold: shared)   ·: cached   .: free", "dim")]
 
     def sequences(self, width, max_rows):
-        """One row per live sequence: id, request, state, block table, fill of its last block, the
-        tail of its text. Swapped-out tables hold CPU block ids."""
+        """One row per live sequence, the columns its header names; a swapped-out table: CPU ids."""
         bm = self.llm.block_manager
         sched = self.llm.scheduler
         rows = [(r, s) for r in [*sched.running, *sched.swapped, *sched.waiting] for s in r.seqs]
@@ -1579,8 +1614,7 @@ DEMOS = {   # name: what it shows
     "prefix": "a system prompt computed once, found in the prefix cache by later requests",
     "fork": "n=4 samples share their prompt's blocks; the last block is copied on write",
     "beam": "beam search, width 3: beams fork and die on shared blocks",
-    "preempt": "five requests in a small pool: swapped out, or recomputed when the CPU pool "
-               "lacks room for a request's blocks",
+    "preempt": "five requests, a small pool: swapped out, or recomputed when CPU blocks run short",
     "evict": "finished requests' blocks stay cached until new prompts evict them, oldest first",
 }
 # each demo's pool, of 4-token blocks: small enough for a screen to show every block
@@ -1590,8 +1624,7 @@ DEMO_POOLS = {"mix": dict(num_blocks=24, num_cpu_blocks=12, preemption_mode="swa
               "preempt": dict(num_blocks=36, num_cpu_blocks=14, preemption_mode="swap")}
 
 def demo_waves(name, text):
-    """The demo's requests as waves [(prompts, params)], one after the other (a later wave finds
-    what earlier ones left cached), outputs to max_tokens; text(s) makes a prompt of a text."""
+    """The waves [(prompts, params)], run in turn: later waves hit what earlier ones cached."""
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     longer = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     samples = SamplingParams(temperature=0.8, n=4, max_tokens=10, ignore_eos=True, seed=0)
@@ -1607,24 +1640,19 @@ def demo_waves(name, text):
     }[name]
 
 def demo_text(llm):
-    """A demo text as a prompt: itself, or for random weights (no tokenizer) one made-up token id
-    per word, so that prompts are as long as real ones."""
+    """A demo text as a prompt: itself, or for random weights a made-up id a word, as long."""
     if llm.tokenizer is not None:
         return lambda s: s
     return lambda s: [sum(w.encode()) % llm.model.config.vocab_size for w in s.split()]
 
 def demo_pool(name, block_size):
     """The demo's pool: its blocks are counted for 4-token blocks, so smaller blocks get more."""
-    pool = dict(DEMO_POOLS[name])
-    for key in ("num_blocks", "num_cpu_blocks"):
-        if key in pool:
-            pool[key] *= max(1, 4 // block_size)
-    return pool
+    scale = max(1, 4 // max(1, block_size))   # a block_size < 1 is refused by check_pool_args
+    return {k: v * scale if k.startswith("num_") else v for k, v in DEMO_POOLS[name].items()}
 
 def run_demo(llm, name, live=False, trace=False, delay=0.0, svg=None):
-    """Run a demo's waves through llm, watched (live), traced (a snapshot per step) or neither;
-    print every output. Returns the run's seconds and the view's drawing seconds (0 without).
-    Every wave's requests are checked before the first runs: a ValueError leaves nothing run."""
+    """Run a demo's waves through llm, watched live, traced or neither, and print every output;
+    return the run's seconds and the view's. Every wave is checked first: a ValueError runs none."""
     waves = demo_waves(name, demo_text(llm))
     for prompts, params in waves:
         checked_requests(llm, prompts, params, type(params))
@@ -1648,12 +1676,6 @@ class ArgumentParser(argparse.ArgumentParser):
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         sys.exit(2)
 
-def delay_seconds(text):   # --delay: a finite number of seconds >= 0
-    value = float(text)
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
-    return value
-
 def main():
     p = ArgumentParser(
         description="nanopaged: run a demo through a paged KV cache and watch its blocks",
@@ -1662,7 +1684,7 @@ def main():
     p.add_argument("--live", action="store_true", help="redraw the pool and tables every step")
     p.add_argument("--trace", action="store_true", help="print a plain snapshot every step")
     p.add_argument("--svg", default=None, help="save the view of the busiest step to this file")
-    p.add_argument("--delay", type=delay_seconds, default=0.0,
+    p.add_argument("--delay", type=float, default=0.0,
                    help="seconds to pause after each step (with --live or --trace)")
     p.add_argument("--model", help="None: SmolLM2-135M-Instruct; a directory; random:<preset>")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -1676,8 +1698,8 @@ def main():
     args = p.parse_args()
     if args.svg and not os.path.isdir(os.path.dirname(os.path.abspath(args.svg))):
         p.error(f"--svg {args.svg}: no such folder")
-    if args.block_size < 1:
-        p.error(f"--block-size must be a positive power of two, got {args.block_size}")
+    if not (math.isfinite(args.delay) and args.delay >= 0):
+        p.error(f"argument --delay: must be a number of seconds >= 0, got {args.delay}")
     if args.delay and not (args.live or args.trace):
         p.error("--delay pauses the view: give --live or --trace with it")
     kwargs = dict(demo_pool(args.demo, args.block_size), block_size=args.block_size,
