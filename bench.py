@@ -1,14 +1,13 @@
 """
-bench.py: the claims of paging, measured on this machine, side by side with baselines. Six
-experiments, each a table and a conclusion in plain words (each function's docstring says what it
-runs): memory, throughput, prefix, sharing, block_size, preemption.
+bench.py: the claims of paging, measured on this machine beside baselines: six experiments (memory,
+throughput, prefix, sharing, block_size, preemption), each a table and a conclusion in plain words.
 
     python bench.py                    every experiment, the default model
     python bench.py --quick            smaller workloads, a few minutes (what fresh-check runs)
     python bench.py --only prefix      one experiment; --json FILE writes every figure
 """
-import argparse
 import json
+import os
 import platform
 import random
 import time
@@ -18,6 +17,7 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
+from transformers import ContinuousBatchingConfig, GenerationConfig
 
 import nanopaged
 from model import load_hf
@@ -26,6 +26,7 @@ from nanopaged import LLM, BeamSearchParams, SamplingParams
 console = Console(highlight=False)
 progress = Progress(console=console, transient=True)
 results = {}   # experiment -> its figures, for --json
+MAX_LEN = 256 + 128   # the most tokens a mixed-workload sample holds: pools sized to hold them all
 
 def report(name, title, columns, rows, conclusion):
     """Print an experiment's table and conclusion; keep its figures for --json."""
@@ -42,8 +43,7 @@ def report(name, title, columns, rows, conclusion):
 
 def corpus(llm):
     if llm.tokenizer is None:   # random weights: random token ids, the same every run
-        g = torch.Generator().manual_seed(0)
-        return torch.randint(0, llm.model.config.vocab_size, (20000,), generator=g).tolist()
+        return random.Random(0).choices(range(llm.model.config.vocab_size), k=20000)
     with open(nanopaged.__file__, encoding="utf-8") as f:
         return llm.tokenizer.encode(f.read(), add_special_tokens=False)
 
@@ -66,7 +66,6 @@ def run(llm, label, prompts, params, live=False):
     """Requests through the engine: (each output's token ids, seconds, the pool after each step)."""
     task = progress.add_task(label, total=sum(p.max_tokens * p.n for p in params))
     seen = []
-
     def watch(step):
         tables = [s.block_table for r in llm.scheduler.running for s in r.seqs]
         seen.append(dict(step.stats, used_blocks=llm.block_manager.num_used_blocks(),
@@ -83,28 +82,43 @@ def run(llm, label, prompts, params, live=False):
         outs = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, live)]
     seconds = time.perf_counter() - t0
     progress.remove_task(task)
+    llm.on_step.remove(watch)   # watch refers to llm: left in, the engine would never be freed
     return outs, seconds, seen
 
 @torch.inference_mode()
-def hf_generate(hf, prompts, params):
-    """transformers' generate on a static batch: left-padded, run to its longest output."""
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=hf.device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=hf.device)
-    out = hf.generate(ids, attention_mask=mask, max_new_tokens=max(p.max_tokens for p in params),
-                      do_sample=False, pad_token_id=0, eos_token_id=None)
-    return [row[width:width + p.max_tokens].tolist() for row, p in zip(out, params)]
+def hf_generate(hf, prompts, params, size):
+    """transformers' generate on static batches of size: left-padded, each to its longest output."""
+    for i in range(0, len(prompts), size):
+        batch, lengths = prompts[i:i + size], [p.max_tokens for p in params[i:i + size]]
+        width = max(map(len, batch))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=hf.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch]).to(hf.device)
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=max(lengths), do_sample=False,
+                          pad_token_id=0, eos_token_id=None)
+        yield from (row[width:width + n].tolist() for row, n in zip(out, lengths))
+
+@torch.inference_mode()
+def hf_continuous(hf, prompts, params, num_blocks):
+    """transformers' continuous batching, as generate_batch runs it but with each request's own
+    max_new_tokens: num_blocks blocks of 16, 2048 tokens a step (nanopaged's default budget)."""
+    cb = ContinuousBatchingConfig(page_size=16, num_blocks=num_blocks, max_batch_tokens=2048,
+                                  auto_switch_to_flash=False)   # attention: load_hf's, sdpa
+    greedy = GenerationConfig(do_sample=False, eos_token_id=-1)   # eos -1: none, run to length
+    with hf.continuous_batching_context_manager(greedy, continuous_batching_config=cb) as manager:
+        ids = [manager.add_request(p, max_new_tokens=q.max_tokens) for p, q in zip(prompts, params)]
+        done = {r.request_id: r.generated_tokens for _, r in zip(ids, manager)}   # as they end
+    return [done[i] for i in ids]
 
 # ----------------------------------------------------------------------------------------------
 # The experiments
 
-def sweep(model, block_sizes, num_requests, device=None, num_slots=None, max_model_len=None):
-    """The mixed workload (every fourth request n=2) at each block size, in num_slots tokens if
-    given: rows of block_size, occupancy, slots wasted, requests at once, tokens/s, copies."""
+def sweep(model, block_sizes, num_requests, num_slots=None, max_model_len=None, device=None):
+    """The mixed workload (every fourth request n=2) at each block size, in num_slots tokens or room
+    for all at once: rows of block_size, occupancy, waste, requests at once, tokens/s, copies."""
     rows = []
     for size in block_sizes:
         llm = LLM(model, device=device, block_size=size, max_model_len=max_model_len,
-                  num_blocks=num_slots and num_slots // size)
+                  num_blocks=(num_slots or num_requests * 2 * MAX_LEN) // size)
         prompts, params = mixed_workload(llm, num_requests, sample_every=4)
         _, seconds, seen = run(llm, f"block_size {size}", prompts, params)
         wasted = [s["used_blocks"] * size * (1 - s["token_occupancy_perc"]) for s in seen]
@@ -117,60 +131,53 @@ def memory(args):
     """Occupancy, waste and requests that fit a KV budget: paged (block sizes 8, 16, 32) against
     a block of max_model_len per request. Random tiny weights: the accounting is the same."""
     max_model_len = 1024
-    num_slots = args.num_requests // 4 * max_model_len   # the budget: a quarter of the requests
-    rows = sweep("random:tiny", (8, 16, 32, max_model_len), args.num_requests, None, num_slots,
-                 max_model_len)
+    slots = args.num_requests // 4 * max_model_len   # the budget: a quarter of the requests
+    rows = sweep("random:tiny", (8, 16, 32, max_model_len), args.num_requests, slots, max_model_len)
     rows = [["contiguous" if r[0] == max_model_len else "paged"] + r[:4] for r in rows]
-    report("memory", f"{args.num_requests} requests, a KV budget of {num_slots} token slots",
+    report("memory", f"{args.num_requests} requests, a KV budget of {slots} token slots",
            ["layout", "block_size", "token occupancy", "slots wasted", "requests at once"], rows,
            f"At block_size 16, {rows[1][2]:.0%} of the reserved slots hold tokens, against "
            f"{rows[-1][2]:.0%} when each request reserves max_model_len ({max_model_len}) up "
            f"front: {rows[1][4] / rows[-1][4]:.1f}x as many requests run at once in the budget.")
 
 def throughput(args):
-    """The same requests through nanopaged and through transformers' generate on its own model:
-    one at a time, and static batches of 8 (left-padded), greedy, eos off."""
-    llm = LLM(args.model, device=args.device)
+    """The same requests through nanopaged and transformers on its own model: generate one at a
+    time and in static batches of 8 (left-padded), and its continuous batching; greedy, eos off."""
+    num_blocks = args.num_requests * MAX_LEN // 16   # room for every request at once
+    llm = LLM(args.model, device=args.device, num_blocks=num_blocks)
     prompts, params = mixed_workload(llm, args.num_requests)
     ours, seconds, _ = run(llm, "throughput, nanopaged", prompts, params, live=args.live)
-    hf = load_hf(args.model)[0].to(llm.device)
+    hf = load_hf(args.model, llm.seed)[0].to(llm.device)   # the weights nanopaged runs
     num_tokens = sum(p.max_tokens for p in params)
     rows = [("nanopaged", seconds, num_tokens / seconds, 1.0, 1.0)]
-    for batch_size in (1, 8):
-        task = progress.add_task(f"throughput, transformers, batch {batch_size}", total=num_tokens)
+    for name, generate, arg in (("batch 1", hf_generate, 1), ("batch 8", hf_generate, 8),
+                                ("continuous batching", hf_continuous, num_blocks)):
         t0 = time.perf_counter()
-        theirs = []
-        for i in range(0, len(prompts), batch_size):   # static batches: each runs to its longest
-            theirs += hf_generate(hf, prompts[i:i + batch_size], params[i:i + batch_size])
-            progress.advance(task, sum(p.max_tokens for p in params[i:i + batch_size]))
+        theirs = list(generate(hf, prompts, params, arg))
         hf_seconds = time.perf_counter() - t0
-        progress.remove_task(task)
-        rows.append((f"transformers, batch {batch_size}", hf_seconds, num_tokens / hf_seconds,
+        rows.append((f"transformers, {name}", hf_seconds, num_tokens / hf_seconds,
                      hf_seconds / seconds, mean(t == o[0] for t, o in zip(theirs, ours))))
     report("throughput", f"{len(prompts)} mixed requests, {llm.device}, {llm.dtype}",
-           ["engine", "seconds", "output tokens/s", "nanopaged's speedup", "same tokens"], rows,
-           f"nanopaged is {rows[2][3]:.1f}x as fast as static batches of 8 and {rows[1][3]:.1f}x "
-           f"as fast as one request at a time; {rows[1][4]:.0%} of its outputs equal transformers' "
-           f"unpadded ones ({rows[2][4]:.0%} the padded ones).")
+           ["engine", "seconds", "output tokens/s", "nanopaged's speedup", "same greedy tokens"],
+           rows, f"nanopaged is {rows[3][3]:.1f}x as fast as transformers' continuous batching, "
+           f"{rows[2][3]:.1f}x static batches of 8, {rows[1][3]:.1f}x one at a time; same tokens: "
+           f"{rows[1][4]:.0%} unpadded, {rows[2][4]:.0%} padded, {rows[3][4]:.0%} continuous.")
 
 def prefix(args):
     """A system prompt of 400 tokens (25 full blocks) before each 12-token question; a request
     arrives every other step. TTFT: from add_requests to the first token."""
     rows = []
     for caching in (True, False):
-        llm = LLM(args.model, device=args.device, enable_prefix_caching=caching)
+        llm = LLM(args.model, device=args.device, enable_prefix_caching=caching,
+                  num_blocks=args.num_prefix * 27)   # 412 + 16 tokens: 27 blocks each, room for all
         text = corpus(llm)
         prompts = [text[:400] + text[1000 + 37 * i:1012 + 37 * i] for i in range(args.num_prefix)]
         params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-        task = progress.add_task(f"prefix, caching {caching}", total=len(prompts))
-        request_ids = []
-        while len(request_ids) < len(prompts) or llm.scheduler.has_unfinished():
-            arrives = llm.num_steps % 2 == 0 or not llm.scheduler.has_unfinished()
-            if len(request_ids) < len(prompts) and arrives:
-                request_ids += llm.add_requests([prompts[len(request_ids)]], params)
+        request_ids, waiting = [], list(prompts)
+        while waiting or llm.scheduler.has_unfinished():
+            if waiting and (llm.num_steps % 2 == 0 or not llm.scheduler.has_unfinished()):
+                request_ids += llm.add_requests([waiting.pop(0)], params)
             llm.step()
-            progress.update(task, completed=len(request_ids))
-        progress.remove_task(task)
         s = llm.stats()
         rows.append((f"caching {'on' if caching else 'off'}", s["num_prefill_tokens_computed"],
                      s["prefix_cache_hit_rate"], mean(llm.output(r).ttft for r in request_ids)))
@@ -180,8 +187,7 @@ def prefix(args):
            f"prompt tokens and the first token comes {rows[1][3] / rows[0][3]:.1f}x sooner.")
 
 def sharing(args):
-    """One prompt, block_size 16: peak blocks held against what the same tables would hold if
-    no block were shared."""
+    """One prompt, block_size 16: peak blocks held against the same tables' blocks, none shared."""
     max_tokens = 16 if args.quick else 64
     samples = SamplingParams(temperature=1.0, n=4, seed=0, max_tokens=max_tokens, ignore_eos=True)
     rows = []
@@ -199,9 +205,8 @@ def sharing(args):
 
 def block_size(args):
     """Half the mixed workload, every fourth request n=2, at block sizes 4 to 64."""
-    rows = sweep(args.model, (4, 8, 16, 32, 64), args.num_requests // 2, args.device)
-    rows = [[size, occupancy, tps, copies, copies * size]
-            for size, occupancy, _, _, tps, copies in rows]
+    rows = sweep(args.model, (4, 8, 16, 32, 64), args.num_requests // 2, device=args.device)
+    rows = [[size, occ, tps, copies, copies * size] for size, occ, _, _, tps, copies in rows]
     fastest = max(rows, key=lambda r: r[2])[0]
     report("block_size", f"{args.num_requests // 2} requests, every fourth one n=2",
            ["block_size", "token occupancy", "output tokens/s", "copies", "slots copied"], rows,
@@ -210,7 +215,7 @@ def block_size(args):
 
 def preemption(args):
     """The mixed workload in a pool of a third of its peak need, in every preemption mode."""
-    llm = LLM(args.model, device=args.device)
+    llm = LLM(args.model, device=args.device, num_blocks=args.num_requests * MAX_LEN // 16)
     prompts, params = mixed_workload(llm, args.num_requests, seed=2)
     want, _, seen = run(llm, "preemption, unconstrained", prompts, params)
     need = max(llm.max_blocks_needed(len(p), q) for p, q in zip(prompts, params))
@@ -228,11 +233,10 @@ def preemption(args):
            "The unconstrained run's tokens, in every mode: " +
            ", ".join(f"{r[0]} {'yes' if r[4] else 'NO'}" for r in rows) + ".")
 
-EXPERIMENTS = {"memory": memory, "throughput": throughput, "prefix": prefix, "sharing": sharing,
-               "block_size": block_size, "preemption": preemption}
+EXPERIMENTS = {f.__name__: f for f in (memory, throughput, prefix, sharing, block_size, preemption)}
 
 def main():
-    p = argparse.ArgumentParser(description="nanopaged benchmark: the claims of paging, measured")
+    p = nanopaged.ArgumentParser(description="nanopaged benchmark: the claims of paging, measured")
     p.add_argument("--quick", action="store_true", help="smaller workloads (a few minutes)")
     p.add_argument("--only", choices=EXPERIMENTS, help="run one experiment")
     p.add_argument("--json", help="write every figure to this file")
@@ -242,15 +246,20 @@ def main():
     p.add_argument("--live", action="store_true", help="watch the pool in the throughput run")
     args = p.parse_args()
     args.model = "random:smollm2-135m" if args.random_weights else args.model
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        p.error(f"--json {args.json}: no such folder")
+    try:   # a bad --model or --device: one line, before any experiment (which reuse the model)
+        LLM(args.model, device=args.device, num_blocks=1)
+    except ValueError as e:
+        p.error(str(e))
     args.num_requests = 8 if args.quick else 32
     args.num_prefix = 16 if args.quick else 32   # enough that the shared prefix dominates
     machine = f"{platform.machine()}, {torch.get_num_threads()} threads, {args.device or 'default'}"
     console.print(f"nanopaged bench: {args.model or 'SmolLM2-135M-Instruct'} on {machine}")
     t0 = time.perf_counter()
     with progress:
-        for name, experiment in EXPERIMENTS.items():
-            if args.only in (None, name):
-                experiment(args)
+        for name in progress.track([args.only] if args.only else EXPERIMENTS, description="bench"):
+            EXPERIMENTS[name](args)
     console.print(f"done in {time.perf_counter() - t0:.0f} s")
     if args.json:
         with open(args.json, "w") as f:

