@@ -204,24 +204,24 @@ def sharing(args):
            f"unshared; four samples hold {rows[0][3]:.0%}, sharing only the prompt.")
 
 def block_size(args):
-    """Half the mixed workload, every fourth request n=2, at block sizes 4 to 64."""
-    rows = sweep(args.model, (4, 8, 16, 32, 64), args.num_requests // 2, device=args.device)
+    """Half the mixed workload, every fourth request n=2, at block sizes 4 to 64 (--quick: 3)."""
+    sizes = (4, 16, 64) if args.quick else (4, 8, 16, 32, 64)
+    rows = sweep(args.model, sizes, args.num_requests // 2, device=args.device)
     rows = [[size, occ, tps, copies, copies * size] for size, occ, _, _, tps, copies in rows]
-    fastest = max(rows, key=lambda r: r[2])[0]
     report("block_size", f"{args.num_requests // 2} requests, every fourth one n=2",
            ["block_size", "token occupancy", "output tokens/s", "copies", "slots copied"], rows,
            f"Small blocks waste least ({rows[0][1]:.0%} occupied at 4, {rows[-1][1]:.0%} at 64) "
-           f"and copy fewest slots; block_size {fastest} was fastest here.")
+           f"and copy fewest slots; block_size {max(rows, key=lambda r: r[2])[0]} ran fastest.")
 
 def preemption(args):
-    """The mixed workload in a pool of a third of its peak need, in every preemption mode."""
+    """The mixed workload (--quick: half) in a third of its peak need, in every preemption mode."""
     llm = LLM(args.model, device=args.device, num_blocks=args.num_requests * MAX_LEN // 16)
-    prompts, params = mixed_workload(llm, args.num_requests, seed=2)
+    prompts, params = mixed_workload(llm, args.num_requests // (2 if args.quick else 1), seed=2)
     want, _, seen = run(llm, "preemption, unconstrained", prompts, params)
     need = max(llm.max_blocks_needed(len(p), q) for p, q in zip(prompts, params))
     num_blocks = max(need, max(s["used_blocks"] for s in seen) // 3)
     rows = []
-    for mode in ("recompute", "swap", "auto"):
+    for mode in ("recompute", "swap", "auto")[:2 if args.quick else 3]:   # --quick: no auto
         llm = LLM(args.model, device=args.device, num_blocks=num_blocks, preemption_mode=mode,
                   num_cpu_blocks=0 if mode == "recompute" else num_blocks)
         got, seconds, _ = run(llm, f"preemption, {mode}", prompts, params)
@@ -253,7 +253,7 @@ def main():
     except ValueError as e:
         p.error(str(e))
     args.num_requests = 8 if args.quick else 32
-    args.num_prefix = 16 if args.quick else 32   # enough that the shared prefix dominates
+    args.num_prefix = 8 if args.quick else 32   # enough that the shared prefix dominates
     machine = f"{platform.machine()}, {torch.get_num_threads()} threads, {args.device or 'default'}"
     console.print(f"nanopaged bench: {args.model or 'SmolLM2-135M-Instruct'} on {machine}")
     t0 = time.perf_counter()
