@@ -1240,8 +1240,9 @@ class EventLog:
                                       tuple(to_ids), str(note)))
 
     def record_ref(self, pool, kind, seq, block):   # a debug kind: a ref-count change
-        note = f"{pool.name} pool, ref {block.ref_count}"   # (kept only when debug is on)
-        self.record(kind, [seq.seq_id], [block.block_id], note=note)
+        if self.debug:   # (no string is made per ref-count change otherwise)
+            note = f"{pool.name} pool, ref {block.ref_count}"
+            self.record(kind, [seq.seq_id], [block.block_id], note=note)
 
     def take(self):
         records, self.records = self.records, []
@@ -1348,16 +1349,15 @@ class Undo:
                 generator.set_state(state)
             bm.hash_to_block_ids = {}
             for pool in (bm.device, bm.cpu):   # nobody holds a block; the registered stay cached
+                pool.free_block_ids, pool.cached_block_ids, pool.seqs = deque(), OrderedDict(), {}
                 for block in pool.blocks:
                     if block.block_id in registered.get(block.hash, ()):   # whole: K/V written
                         block.ref_count = 0
                         bm.hash_to_block_ids.setdefault(block.hash, {})[block.block_id] = None
+                        pool.cached_block_ids[block.block_id] = None   # LRU order: by id now
                     else:   # not registered, or half registered or half evicted as the step stopped
                         vars(block).update(vars(Block(block.block_id)))
-                cached = [b.block_id for b in pool.blocks if b.hash is not None]   # LRU: by id
-                pool.cached_block_ids = OrderedDict.fromkeys(cached)
-                pool.free_block_ids = deque(b.block_id for b in pool.blocks if b.hash is None)
-                pool.seqs = {}
+                        pool.free_block_ids.append(block.block_id)
             holders = sorted(sched.running + sched.swapped, key=lambda r: r.request_id)
             sched.running, sched.swapped = [], []
             for request in reversed(holders):   # the newest first, so that the oldest ends in front
