@@ -18,9 +18,9 @@ one request travels, with every mechanism of its memory system.
                                   fork, free and eviction, swap between the device and the CPU
   3. ScheduledBatch, Scheduler    which tokens run this step; preemption when blocks run out
   4. LLM                          the engine: block copies, tensors for the model, sampling, step
-After the line, for a second reading: 5. API guards (every check of an argument or a request),
-6. invariant checks, 7. events and the debug log, 8. the cost model of preemption_mode='auto',
-9. failure recovery, 10. beam search, 11. the live view, 12. the command line and its demos.
+After the line, for a second reading: 5. API guards, 6. invariant checks, 7. events and the debug
+log, 8. the cost of preemption_mode='auto', 9. failure recovery, 10. beam search, 11. the live
+view, 12. the command line and its demos.
 
     python nanopaged.py --live           watch the default demo: the pool, every block table
     python nanopaged.py --demo fork --trace    a plain-text snapshot per step, for handouts
@@ -34,8 +34,10 @@ import io
 import itertools
 import math
 import os
+import re
 import signal
 import sys
+import textwrap
 import threading
 import time
 from collections import Counter, OrderedDict, deque, namedtuple
@@ -124,8 +126,7 @@ class Sequence:
         self.token_ids.append(token_id)
 
     def fork(self, index=0):
-        """A new sequence of the same request with this one's tokens: sample `index`, or a beam.
-        Its blocks are this one's, shared: BlockManager.fork."""
+        """Sample `index` (or a beam) of its request, on this one's blocks: BlockManager.fork."""
         child = Sequence(self.token_ids, self.request_id, index)
         child.num_prompt_tokens = self.num_prompt_tokens
         return child
@@ -150,8 +151,7 @@ class Request:
         self.finished = []     # sequences that ended: samples to return, beams that were dropped
         self.hypotheses = []   # beam search: BeamHypothesis records, the candidates for the output
         # one random stream per sample, so that a sample's draws never depend on the schedule
-        # (which samples shared a step, who was preempted): sample i always draws from stream i,
-        # seeded by (seed, i) mixed through a large prime
+        # (which samples shared a step, who was preempted): sample i always draws from stream i
         sampling = not self.is_beam_search and params.temperature > 0
         self.generators = [torch.Generator().manual_seed((seed * 1_000_003 + i) % 2**63)
                            for i in range(params.n)] if sampling else []
@@ -243,7 +243,6 @@ class BlockManager:
         return tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
 
     def _block_hash(self, seq, i):
-        """Hash of seq's full block i, computed once and kept on the sequence."""
         for j in range(len(seq.block_hashes), i + 1):
             parent_hash = seq.block_hashes[-1] if j else None
             seq.block_hashes.append(self.compute_hash(parent_hash, self._tokens(seq, j)))
@@ -276,7 +275,6 @@ class BlockManager:
 
     @property
     def num_free_blocks(self):
-        """Device blocks allocatable now, evictable cached ones included."""
         return self.device.num_free_blocks
 
     def _take_block(self, pool, seq):
@@ -333,7 +331,6 @@ class BlockManager:
         return self.num_free_blocks - need >= watermark
 
     def allocate(self, seq):
-        """Give seq blocks for all its tokens: prefix-cache hits first, then fresh blocks."""
         assert not seq.block_table, f"seq {seq.seq_id} already holds blocks"
         hits = self._cache_hits(seq)
         for block in hits:
@@ -359,7 +356,6 @@ class BlockManager:
         return not self._needs_new_block(seq) and self.device.blocks[last].ref_count > 1
 
     def can_append(self, seq):
-        """Can append_slot(seq) get the block it needs (a new one, or a copy of a shared one)?"""
         return self.num_free_blocks > 0 or not (self._needs_new_block(seq) or self._needs_copy(seq))
 
     def append_slot(self, seq):
@@ -378,7 +374,7 @@ class BlockManager:
         return None
 
     def fork(self, parent, child, num_blocks=None):
-        """child shares parent's first num_blocks blocks (all, by default): no K/V is copied, each
+        """child shares parent's first num_blocks blocks (all by default): no K/V is copied, each
         block's ref_count goes up, and fresh blocks hold the rest of child's tokens. A sample
         forked as it is drawn shares everything (it has parent's tokens, all computed); a
         recomputed sample shares what it has in common with its leader, which computes it."""
@@ -458,8 +454,7 @@ class BlockManager:
         return self.num_free_blocks - len(distinct) - new - copies >= watermark
 
     def swap_out(self, *seqs):
-        """Move seqs (a request's sequences) to the CPU pool. Returns [(device_block, cpu_block)]
-        for the engine to copy, one pair per distinct block."""
+        """Move seqs to the CPU pool. Returns [(device_block, cpu_block)] for the engine to copy."""
         pairs = self._move(seqs, self.device, self.cpu)
         self.num_swapped_out_blocks += len(pairs)
         self.events.record("swap out", [s.seq_id for s in seqs], *zip(*pairs))
@@ -503,7 +498,6 @@ class BlockManager:
         return sum(filled.values())
 
     def check_invariants(self):
-        """Asserts each rule, naming it: ref_count, partition, cached, hash map, block table."""
         check_block_manager(self)   # (section 6)
 
 # ----------------------------------------------------------------------------------------------
@@ -582,7 +576,6 @@ class Scheduler:
         return not behind_leader and len(seq) > seq.num_computed_tokens
 
     def _schedule_seq(self, request, seq, batch):
-        """seq's next token (or chunk) joins the batch, with the slot it writes."""
         copy = self.block_manager.append_slot(seq)
         if copy is not None:
             batch.block_copies.append(("copy", *copy))
@@ -631,7 +624,11 @@ class Scheduler:
         while self.waiting and not self.swapped and not batch.is_full:
             request = self.waiting[0]
             leader, *others = request.seqs
-            if not self._fits(request) or not bm.can_allocate(leader, self._watermark(), others):
+            if not self._fits(request):
+                break
+            if not bm.can_allocate(leader, self._watermark(), others):
+                if bm.can_allocate(leader, 0, others):   # it fits, but would leave too few free
+                    self.events.record("watermark", [leader.seq_id], note=self._watermark())
                 break
             self.waiting.popleft()
             self._admit(request, batch)
@@ -681,7 +678,6 @@ class Scheduler:
         return mode
 
     def _recompute(self, request):
-        """Free a request's blocks and queue it in front, to be computed again from its tokens."""
         for seq in request.seqs:
             self.block_manager.free(seq)
             seq.num_computed_tokens = 0
@@ -702,8 +698,7 @@ class Scheduler:
                 continue   # in the middle of its prompt, or a beam (the engine picks beams)
             tokens = sampled[seq]
             request.first_token_time = request.first_token_time or now
-            # n tokens: an n>1 request's first, drawn from one prompt's logits. Its n samples
-            # fork here: n - 1 new sequences, sharing every block of the first
+            # n tokens: an n>1 request's first, from one prompt's logits: its samples fork here
             samples = [seq] + [self.fork(request, seq, index=i) for i in range(1, len(tokens))]
             for s, token in zip(samples, tokens):
                 s.append_token(token)
@@ -713,14 +708,12 @@ class Scheduler:
                     self.finish(request, s, "length")
 
     def fork(self, request, parent, index=0):
-        """A new sequence of parent's request sharing all its blocks (n>1 samples, beams)."""
         child = parent.fork(index)
         self.block_manager.fork(parent, child)
         request.seqs.append(child)
         return child
 
     def finish(self, request, seq, reason):
-        """reason: "stop" (eos), "length" (max_tokens), or "pruned" (a beam that lost)."""
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()
         self.events.record("finish", [seq.seq_id], seq.block_table, note=reason)
@@ -834,8 +827,7 @@ class LLM:
         return self._run(prompts, params, BeamSearchParams, live)
 
     def _run(self, prompts, params, kind, live):
-        """Queue the prompts, step until they finish (watched, if live), return their outputs. If
-        anything raises (an error, Ctrl-C), this call's requests are dropped and it goes on."""
+        """Queue, step, return the outputs; a call that raises (Ctrl-C too) drops its requests."""
         request_ids = []
         try:
             with interrupts_held():   # queued and known here, or not queued at all
@@ -850,8 +842,7 @@ class LLM:
             raise
 
     def output(self, request_id):
-        """What a finished request made (after add_requests and step() to its end), taken out of
-        the engine: a RequestOutput, or a BeamSearchOutput for beam search."""
+        """A finished request's RequestOutput (BeamSearchOutput for beam search), taken out."""
         request = self.requests.get(request_id)
         require(request is not None and request.status is RequestStatus.FINISHED,
                 f"request {request_id} is unknown, unfinished or already returned")
@@ -874,8 +865,7 @@ class LLM:
     # -- one step
 
     def step(self):
-        """One engine step (the story is in _step). Returns its StepReport, which every callable
-        in on_step gets too. A step that raises (an error, Ctrl-C) is undone first (section 9)."""
+        """One engine step (the story is in _step); one that raises is undone first (section 9)."""
         require(self.scheduler.has_unfinished(), "step(): nothing to run; add_requests() first")
         t0 = time.perf_counter()
         self.events.step = self.num_steps + 1
@@ -893,7 +883,6 @@ class LLM:
         return report
 
     def _step(self):
-        """Schedule, copy blocks, run the model on one flat batch, sample, postprocess."""
         batch = self.scheduler.schedule()
         assert batch.entries, "the scheduler found nothing to run: a request outgrew its bound"
         # 1. block copies, in the order the scheduler decided them, before anybody writes a block
@@ -902,9 +891,8 @@ class LLM:
         model_batch, to_sample = self._prepare(batch)
         # 3. the model writes every new token's K/V into its slot and returns logits to sample
         logits = self.model(model_batch, self.kv_cache).cpu()   # (len(to_sample), vocab) float32
-        # 4. sampling, each sample from its own random stream; at an n>1 request's first token,
-        #    n draws from its prompt's logits (it forks on them in postprocess). A beam keeps its
-        #    log-probs for its request's round (step 6)
+        # 4. sampling, each sample from its own random stream (an n>1 request's first token: n
+        #    draws, it forks on them in postprocess); a beam keeps its log-probs for step 6
         sampled = {}
         for (request, seq), row in zip(to_sample, logits):
             if request.is_beam_search:
@@ -936,8 +924,7 @@ class LLM:
                 self.kv_cache[:, :, dst].copy_(self.cpu_cache[:, :, src], non_blocking=True)
 
     def _prepare(self, batch):
-        """ScheduledBatch -> (model.Batch, to_sample): the sequences whose chunk reaches their last
-        token sample from its logits, as (request, seq) pairs. Shapes: see model.Batch."""
+        """ScheduledBatch -> (model.Batch, to_sample: [(request, seq)]). Shapes: see model.Batch."""
         block_size = self.block_manager.block_size
         input_ids, positions, slot_mapping, logits_indices, to_sample = [], [], [], [], []
         query_start_loc, context_lens = [0], []
@@ -988,19 +975,16 @@ class LLM:
         return int(torch.multinomial(logits.softmax(-1), 1, generator=request.generators[i]))
 
     def stats(self):
-        """The engine's metrics (vLLM's names where vLLM has one): fractions (0..1) and counts."""
         return engine_stats(self)   # (section 7)
 
 # ==============================================================================================
-# reading path ends here. Every mechanism is above; below, for a second reading: the checks at
-# the API, the invariants, events, the auto cost model, failure recovery, beam search, the view
+# reading path ends here. Every mechanism is above; below, sections 5-12, for a second reading
 # ==============================================================================================
 
 # ----------------------------------------------------------------------------------------------
 # 5. API guards: bad input stops at the API, before anything changes or any work starts
 
-def require(ok, message):
-    """A ValueError saying what is wrong and what is allowed."""
+def require(ok, message):   # a ValueError saying what is wrong and what is allowed
     if not ok:
         raise ValueError(message)
 
@@ -1034,10 +1018,9 @@ def check_sampling_params(p):
 def check_beam_search_params(p):
     require_int("beam_width", p.beam_width, 1)
     require_int("max_tokens", p.max_tokens, 1)
-    lp = p.length_penalty   # length ** lp must stay a float: lengths reach 2**17 and more
-    require(is_number(lp) and -MAX_LENGTH_PENALTY <= lp <= MAX_LENGTH_PENALTY,
-            f"length_penalty must be a number in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}], "
-            f"got {lp!r}")
+    lp, bound = p.length_penalty, MAX_LENGTH_PENALTY   # length ** lp must stay a float
+    require(is_number(lp) and abs(lp) <= bound,
+            f"length_penalty must be a number in [-{bound}, {bound}], got {lp!r}")
     require_bool("ignore_eos", p.ignore_eos)
 
 def check_pool_args(num_blocks, block_size, num_cpu_blocks):
@@ -1049,17 +1032,14 @@ def check_pool_args(num_blocks, block_size, num_cpu_blocks):
 def check_engine_args(model, device, dtype, block_size, num_blocks, num_cpu_blocks,
                       enable_prefix_caching, max_num_seqs, max_num_batched_tokens, max_model_len,
                       preemption_mode, seed, swap_space, debug_blocks):
-    """LLM's arguments, checked before the model loads."""
     check_pool_args(1 if num_blocks is None else num_blocks, block_size, num_cpu_blocks)
     require(model is None or isinstance(model, str),
             f"model must be None, a directory or 'random:<preset>', got {model!r}")
     name = str(device)   # a string or a torch.device
-    cuda = name.startswith("cuda")
-    index = name.removeprefix("cuda:")
-    require(device is None or name in ("cpu", "cuda") or (index != name and index.isdigit()),
+    kind, _, index = name.partition(":")
+    require(device is None or name in ("cpu", "cuda") or (kind == "cuda" and index.isdigit()),
             f"device must be None, 'cpu' or 'cuda[:index]', got {device!r}")
-    require(not cuda or torch.cuda.is_available(), f"device {name!r}: CUDA is not available here")
-    require(not cuda or ":" not in name or int(name[5:]) < torch.cuda.device_count(),
+    require(kind != "cuda" or int(index or 0) < torch.cuda.device_count(),   # 0 without CUDA
             f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA devices")
     floats = (torch.float32, torch.bfloat16, torch.float16)
     require(dtype is None or dtype in [str(f).removeprefix("torch.") for f in floats] + [*floats],
@@ -1073,27 +1053,24 @@ def check_engine_args(model, device, dtype, block_size, num_blocks, num_cpu_bloc
             f"preemption_mode must be 'recompute', 'swap' or 'auto', got {preemption_mode!r}")
     require(swap_space is None or (is_number(swap_space) and swap_space >= 0),
             f"swap_space must be None or a number of GiB >= 0, got {swap_space!r}")
-    ram = host_memory_bytes()
-    require(ram is None or (swap_space or 0) * (1 << 30) <= ram,
-            f"swap_space {swap_space} GiB exceeds this machine's memory ({(ram or 0) >> 30} GiB)")
+    require_memory((swap_space or 0) * (1 << 30), f"swap_space {swap_space} GiB exceeds")
     require(preemption_mode != "swap" or num_cpu_blocks or swap_space,
             "preemption_mode='swap' needs a CPU pool: num_cpu_blocks > 0 or swap_space (GiB)")
     check_seed(seed)
     require_bool("debug_blocks", debug_blocks)
 
-def host_memory_bytes():   # None where the system does not say
+def require_memory(num_bytes, what):   # refused as "<what> this machine's memory (N GiB)"
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):   # the system does not say: no check
+        return
+    require(num_bytes <= ram, f"{what} this machine's memory ({ram >> 30} GiB)")
 
 def check_loaded_model(llm, max_model_len, preemption_mode, num_cpu_blocks, swap_space,
                        bytes_per_block):
     """What can only be checked once the model is known: its length, its block size in bytes."""
-    ram = host_memory_bytes()
-    require(ram is None or num_cpu_blocks * bytes_per_block <= ram,
-            f"num_cpu_blocks {num_cpu_blocks} of {bytes_per_block} bytes exceed this machine's "
-            f"memory ({ram >> 30 if ram else 0} GiB)")
+    require_memory(num_cpu_blocks * bytes_per_block,
+                   f"num_cpu_blocks {num_cpu_blocks} of {bytes_per_block} bytes exceed")
     longest = llm.model.config.max_position_embeddings
     require(llm.max_model_len <= longest,
             f"max_model_len {max_model_len} exceeds the model's {longest}")
@@ -1109,14 +1086,12 @@ def tokenize(llm, prompt):
             f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
     return list(prompt)
 
-def checked_requests(llm, prompts, params, kind):
-    """add_requests' input as [(token_ids, params)], every one checked before any is queued."""
+def checked_requests(llm, prompts, params, kind):   # [(token_ids, params)], all checked
     one_prompt = isinstance(prompts, (list, tuple)) and prompts and is_int(prompts[0])
     if isinstance(prompts, str) or one_prompt:
         prompts = [prompts]
-    require(isinstance(prompts, (list, tuple)),
-            f"prompts must be a string, a list of strings or of token-id lists, got "
-            f"{type(prompts).__name__}")
+    require(isinstance(prompts, (list, tuple)), "prompts must be a string, a list of strings or "
+            f"of token-id lists, got {type(prompts).__name__}")
     params = kind() if params is None else params
     params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
     require(len(params) == len(prompts),
@@ -1124,13 +1099,12 @@ def checked_requests(llm, prompts, params, kind):
     for p in params:
         require(isinstance(p, kind), f"params: expected {kind.__name__}, got {type(p).__name__}"
                 " (generate takes SamplingParams, beam_search takes BeamSearchParams)")
-    token_lists = [tokenize(llm, p) for p in prompts]
-    for token_ids, p in zip(token_lists, params):
+    requests = [(tokenize(llm, prompt), p) for prompt, p in zip(prompts, params)]
+    for token_ids, p in requests:
         validate_request(llm, token_ids, p)
-    return list(zip(token_lists, params))
+    return requests
 
 def validate_request(llm, token_ids, params):
-    """Everything that could go wrong with a request, checked before anything changes."""
     vocab = llm.model.config.vocab_size
     max_num_seqs = llm.scheduler.max_num_seqs
     require(len(token_ids) > 0, "empty prompt: a prompt needs at least one token")
@@ -1150,14 +1124,12 @@ def validate_request(llm, token_ids, params):
 # ----------------------------------------------------------------------------------------------
 # 6. Invariant checks: the block manager's rules, asserted (the tests call them after every step)
 
-def check_block_manager(bm):
-    """Asserts each rule, by name: ref_count, partition, cached, hash map, block table."""
+def check_block_manager(bm):   # BlockManager.check_invariants: each rule, asserted by name
     for pool in (bm.device, bm.cpu):
-        holders = Counter(b for seq in pool.seqs.values() for b in seq.block_table)
-        wrong = [b.block_id for b in pool.blocks if b.ref_count != holders[b.block_id]]
+        held = Counter(b for seq in pool.seqs.values() for b in seq.block_table)
+        wrong = [b.block_id for b in pool.blocks if b.ref_count != held[b.block_id]]
         assert not wrong, f"ref_count: {pool.name} blocks {wrong}: not the number of tables holding"
-        used = [b.block_id for b in pool.blocks if b.ref_count > 0]
-        states = Counter([*pool.free_block_ids, *pool.cached_block_ids, *used])
+        states = Counter([*pool.free_block_ids, *pool.cached_block_ids, *held])   # held, or used
         wrong = [b.block_id for b in pool.blocks if states[b.block_id] != 1]
         assert not wrong, \
             f"partition: {pool.name} blocks {wrong} are not in exactly one of free, cached, used"
@@ -1179,10 +1151,8 @@ def check_block_manager(bm):
             parent = blocks[seq.block_table[i - 1]] if i else None
             assert block.hash is None or parent is None or parent.hash is not None, \
                 f"hash map: seq {seq.seq_id} block {i} ({block_id}) follows an unregistered block"
-            assert block.hash is None or (
-                block.token_ids == bm._tokens(seq, i)
-                and block.hash == bm._block_hash(seq, i)
-                and block.parent_prefix_id == (parent.prefix_id if parent else None)), \
+            assert block.hash is None or (block.token_ids, block.hash, block.parent_prefix_id) == (
+                bm._tokens(seq, i), bm._block_hash(seq, i), parent.prefix_id if parent else None), \
                 f"hash map: seq {seq.seq_id} block {i} ({block_id}) is another prefix's"
     for seq in [*bm.device.seqs.values(), *bm.cpu.seqs.values()]:
         sizes = (bm._num_blocks_for(len(seq)), bm._num_blocks_for(len(seq) - 1))
@@ -1192,8 +1162,10 @@ def check_block_manager(bm):
 # ----------------------------------------------------------------------------------------------
 # 7. What happened: events as records, for the live view and the debug log; the metrics
 
-def _ids(xs):   # '4, 7, 12' for the event log
-    return ", ".join(map(str, xs))
+def _ids(xs):   # '0-3, 7, 12' for the event log: a run of three or more ids as first-last
+    groups = itertools.groupby(enumerate(xs), lambda p: p[1] - p[0])   # x - i: one per run
+    runs = [[x for _, x in group] for _, group in groups]
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
 
 EVENT_WORDS = {   # the plain words of each kind of event, for the debug log and the live view
     "prefix hit": "seq {seqs} finds blocks {blocks} in the prefix cache ({note} tokens)",
@@ -1204,6 +1176,7 @@ EVENT_WORDS = {   # the plain words of each kind of event, for the debug log and
     "swap in": "seq {seqs} swapped in: cpu blocks {blocks} to blocks {to}",
     "preempt": "seq {seqs} preempted by {note}: blocks {blocks} taken back",
     "finish": "seq {seqs} finishes ({note}): blocks {blocks} released",
+    "watermark": "seq {seqs} waits: it fits, but the watermark keeps {note} free for decodes",
     # the debug log's kinds (debug_blocks=True): every single ref-count change, in either pool
     "allocate": "seq {seqs} takes free block {blocks} ({note})",
     "ref+1": "seq {seqs} holds block {blocks} ({note})",
@@ -1228,8 +1201,7 @@ class Event:
                                              to=_ids(self.to_ids), note=self.note)
 
 @dataclass
-class EventLog:
-    """What the block manager and the scheduler did, for the engine to take after each step."""
+class EventLog:   # what the block manager and the scheduler did, taken after each step
     debug: bool = False   # keep the debug kinds too: one event per ref-count change
     step: int = 0         # the step the engine is in, stamped on each record
     records: list = field(default_factory=list)   # of Event
@@ -1248,28 +1220,23 @@ class EventLog:
         records, self.records = self.records, []
         return records
 
-def engine_stats(llm):
-    """LLM.stats(): the metrics, as vLLM names them where it has them."""
+def engine_stats(llm):   # LLM.stats(): fractions and counts, named as vLLM names them
     bm = llm.block_manager
     used = bm.num_used_blocks()
-    queries = bm.prefix_cache_queries
     return {
         "kv_cache_usage_perc": used / bm.num_blocks,   # cached blocks nobody holds are free
         "token_occupancy_perc": bm.num_stored_tokens() / max(1, used * bm.block_size),
-        "prefix_cache_queries": queries,               # in tokens
-        "prefix_cache_hits": bm.prefix_cache_hits,     # in tokens
-        "prefix_cache_hit_rate": bm.prefix_cache_hits / queries if queries else 0.0,
+        "prefix_cache_queries": bm.prefix_cache_queries,   # in tokens
+        "prefix_cache_hits": bm.prefix_cache_hits,         # in tokens, never more than queried
+        "prefix_cache_hit_rate": bm.prefix_cache_hits / max(1, bm.prefix_cache_queries),
         "num_preemptions": llm.scheduler.num_preemptions,
-        "num_swapped_out_blocks": bm.num_swapped_out_blocks,
-        "num_swapped_in_blocks": bm.num_swapped_in_blocks,
-        "num_cow_copies": bm.num_cow_copies,
-        "num_evictions": bm.num_evictions,
+        **{name: getattr(bm, name) for name in   # the block manager's counts, under their names
+           ("num_swapped_out_blocks", "num_swapped_in_blocks", "num_cow_copies", "num_evictions")},
         "num_prefill_tokens_computed": llm.num_prefill_tokens_computed,
         "num_generated_tokens": llm.num_generated_tokens,
     }
 
-def print_debug_log(report):
-    """The debug log (debug_blocks=True), an on_step callback: every event of a step, on stderr."""
+def print_debug_log(report):   # the debug log (debug_blocks=True): an on_step callback
     for e in report.events:
         print(f"step {e.step:5}  {e.kind:10}  {e.words()}", file=sys.stderr)
 
@@ -1278,16 +1245,15 @@ def print_debug_log(report):
 
 @dataclass
 class PreemptionCost:
-    """A recompute costs tokens * seconds_per_token, the engine's average over its steps (an upper
-    estimate: a step's fixed cost is spread over its tokens); a swap, 2 * blocks * bytes_per_block
-    / copy bandwidth, timed when the engine starts by a round trip of a few blocks."""
+    """A recompute costs tokens * seconds_per_token, the steps' average (an upper estimate: a step's
+    fixed cost is spread over its tokens); a swap, 2 * blocks * bytes_per_block / copy bandwidth."""
     bytes_per_block: int
     swap_bytes_per_second: float
     seconds_per_token: float = 0.0   # 0 until the first step is measured
 
     @classmethod
     def measure(cls, llm, bytes_per_block):
-        """Times the round trip now; observe, an on_step callback, keeps seconds_per_token."""
+        """Times a round trip of a few blocks now; observe (on_step) keeps seconds_per_token."""
         probe = range(min(8, llm.kv_cache.shape[2], llm.cpu_cache.shape[2]))   # block ids
         for _ in range(2):   # the first round warms up
             t0 = time.perf_counter()
@@ -1295,8 +1261,7 @@ class PreemptionCost:
             if llm.device.type == "cuda":
                 torch.cuda.synchronize(llm.device)
             seconds = time.perf_counter() - t0
-        num_bytes = 2 * llm.kv_cache[:, :, probe].numel() * llm.dtype.itemsize
-        cost = cls(bytes_per_block, num_bytes / max(seconds, 1e-9))
+        cost = cls(bytes_per_block, 2 * len(probe) * bytes_per_block / max(seconds, 1e-9))
         llm.on_step.append(cost.observe)
         return cost
 
@@ -1325,8 +1290,6 @@ def copy_state(obj):   # an object's attributes, its lists and deques copied: a 
     return {k: copy.copy(v) if isinstance(v, (list, deque)) else v for k, v in vars(obj).items()}
 
 class Undo:
-    """What one step may change, copied before it starts; restore() puts it back."""
-
     def __init__(self, llm):
         self.llm = llm
         sched = llm.scheduler
@@ -1366,8 +1329,7 @@ class Undo:
                 sched._recompute(request)
 
 @contextlib.contextmanager
-def interrupts_held():
-    """Ctrl-C (SIGINT, which only the main thread gets) waits while the block runs, then raises."""
+def interrupts_held():   # Ctrl-C (SIGINT: only the main thread gets it) waits, then raises
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -1380,8 +1342,7 @@ def interrupts_held():
         if caught:
             signal.raise_signal(signal.SIGINT)   # to the handler that was there before
 
-def abort(llm, request_ids):
-    """Drop these requests wherever they are, with their blocks (their call raised)."""
+def abort(llm, request_ids):   # drop a failed call's requests wherever they are, and their blocks
     with interrupts_held():
         for request in [llm.requests.pop(r) for r in request_ids if r in llm.requests]:
             for queue in (llm.scheduler.waiting, llm.scheduler.running, llm.scheduler.swapped):
@@ -1397,17 +1358,15 @@ def abort(llm, request_ids):
 # candidate completes a hypothesis, the beam_width best others live on: a beam chosen twice forks
 # (ref_count + 1, no copy), one not chosen is freed, and the beams' common prefix stays shared.
 
-# a beam and one of its next tokens, with the log-probability the beam would then have
+# a candidate: a beam, one of its next tokens, and the beam's log-probability with it; a
+# hypothesis: a beam that ended (eos, or max_tokens). beam_search() returns sequences best first
 BeamCandidate = namedtuple("BeamCandidate", "cum_logprob beam token")
-# a beam that ended (eos, or max_tokens): one of the candidates for the output
 BeamHypothesis = namedtuple("BeamHypothesis", "token_ids cum_logprob finish_reason")
-# what beam_search() returns: sequences best score first
 BeamSearchOutput = namedtuple("BeamSearchOutput", "request_id prompt_token_ids sequences")
 BeamSearchSequence = namedtuple("BeamSearchSequence",
                                 "token_ids text cum_logprob score finish_reason")
 
-def beam_round(scheduler, request):
-    """Every live beam has its next-token log-probs: choose the next beams. Returns their tokens."""
+def beam_round(scheduler, request):   # one round, as above; returns how many tokens it adds
     params = request.params
     candidates = []
     for beam in request.seqs:
@@ -1436,8 +1395,7 @@ def beam_round(scheduler, request):
             scheduler.finish(request, beam, "length")
     return len(chosen)
 
-def beam_output(llm, request):
-    """The beam_width best hypotheses, by vLLM's score: the length counts no ending eos."""
+def beam_output(llm, request):   # the best by vLLM's score, whose length counts no ending eos
     params = request.params
     def score(h):
         length = len(request.prompt_token_ids) + len(h.token_ids) - (h.finish_reason == "stop")
@@ -1452,36 +1410,56 @@ def beam_output(llm, request):
 # ----------------------------------------------------------------------------------------------
 # 11. The live view, drawn with rich after every step
 
-def printable(text):
-    """Text for the terminal, never raw: a newline as a space, other control characters escaped."""
-    text = text.replace("\n", " ")
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+def printable(text):   # never raw: a newline as a space, other control characters escaped
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text.replace("\n", " "))
+
+def wrapped(text, width, style=None, indent=2):   # rows of at most width columns, nothing cut
+    rows = textwrap.wrap(text, width, subsequent_indent=" " * indent, break_on_hyphens=False)
+    return [Text(row, style) for row in rows]
 
 HOLDER_COLOURS = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "orange3"]
 
-class View:
-    """Draws the engine after every step (an on_step callback): pools, sequences, metrics, events;
-    live: redraw in place, else a trace. `with View(llm): llm.generate(...)`, or live=True."""
+def table_text(pool, block_table, width):
+    """A block table in width columns: runs of ids as first-last (*: shared), its middle as (+k)."""
+    shared = lambda b: "*" if pool[b].ref_count > 1 else ""
+    parts = []   # (text, blocks) of each run of consecutive ids, all shared or none
+    for _, run in itertools.groupby(enumerate(block_table), lambda p: (p[1] - p[0], shared(p[1]))):
+        ids = [b for _, b in run]
+        text = f"{ids[0]}-{ids[-1]}" if len(ids) > 2 else f"{shared(ids[0])} ".join(map(str, ids))
+        parts.append((text + shared(ids[0]), len(ids)))
+    for keep in range(len(parts), -1, -1):   # the first and last parts, as many as fit
+        head, tail = parts[:(keep + 1) // 2], parts[len(parts) - keep // 2:]
+        hidden = len(block_table) - sum(n for _, n in head + tail)
+        text = " ".join(t for t, _ in head + [(f"(+{hidden})", hidden)] * bool(hidden) + tail)
+        if len(text) + 2 <= width:
+            break
+    return f"[{text}]"
 
-    def __init__(self, llm, live=True, console=None, delay=0.0, svg=None):
+class View:
+    """Draws the engine after every step (an on_step callback); live: in place, on the terminal's
+    screen (the last frame stays), else a trace. `with View(llm): llm.generate(...)`."""
+
+    def __init__(self, llm, live=True, console=None, delay=0.0, svg=None, svg_step=None,
+                 wait=False):
         self.llm = llm
         self.live = live
         # a trace is plain text of a fixed width, so that runs with the same seed print the same
         self.console = console or (Console(highlight=False) if live else
                                    Console(highlight=False, color_system=None, width=80))
-        self.delay = delay
-        self.svg = svg
-        self.events = deque(maxlen=5)   # the last story events (debug kinds are not shown)
-        self.busiest = (-1, None)       # (blocks in use, frame): the frame an SVG keeps
-        self.draw_seconds = 0.0         # time spent drawing: the view's own cost
-        self.tick = (time.perf_counter(), 0)   # (time, generated tokens) at the last step
-        self.tokens_per_second = 0.0
+        self.delay = delay          # seconds to pause after a step, and as many per event it shows
+        self.wait = wait            # wait for Enter after every step
+        self.svg = svg              # a file to save one frame in, as an SVG image
+        self.svg_step = svg_step    # the step to save; None: the first with the most events
+        self.svg_frame = (-1, None)   # (events, frame)
+        self.events = deque(maxlen=1000)   # recent story events (debug kinds are not shown)
+        self.last_frame = None
+        self.draw_seconds = 0.0     # time spent drawing: the view's own cost
         self.rich_live = None
 
     def __enter__(self):
         self.llm.on_step.append(self)
-        if self.live:
-            self.rich_live = Live(console=self.console, auto_refresh=False)
+        if self.live:   # the terminal's own screen: what was printed before (loading) stays off it
+            self.rich_live = Live(console=self.console, auto_refresh=False, screen=True)
             self.rich_live.start()
         return self
 
@@ -1489,58 +1467,76 @@ class View:
         self.llm.on_step.remove(self)
         if self.rich_live is not None:
             self.rich_live.stop()   # the terminal is the user's again, after Ctrl-C too
-        if self.svg and self.busiest[1] is not None:
-            recorder = Console(record=True, width=self.console.width, file=io.StringIO())
-            recorder.print(self.busiest[1])
-            recorder.save_svg(self.svg, title="nanopaged")
+            if self.last_frame is not None:
+                self.console.print(self.last_frame)
+        if self.svg and self.svg_frame[1] is not None:
+            save_svg(self.svg_frame[1], self.svg, self.console.width)
 
     def __call__(self, report):
         t0 = time.perf_counter()
-        generated = report.stats["num_generated_tokens"]
-        last_time, last_generated = self.tick
-        self.tokens_per_second = (generated - last_generated) / max(t0 - last_time, 1e-9)
         story = [e for e in report.events if e.kind not in DEBUG_KINDS]
         self.events.extend(story)
-        frame = self.frame(report, self.events if self.live else story)
-        used = self.llm.block_manager.num_used_blocks()
-        self.busiest = max(self.busiest, (used, frame), key=lambda b: b[0])   # the first, on a tie
+        most = self.svg_step is None and len(story) > self.svg_frame[0]
+        if self.svg and (most or report.step == self.svg_step):
+            self.svg_frame = (len(story), self.frame(report, story))
         if self.rich_live is not None:
-            self.rich_live.update(frame, refresh=True)
-        else:
+            self.last_frame = self.frame(report, story, self.console.height)
+            self.rich_live.update(self.last_frame, refresh=True)
+        elif not self.live:
             self.console.rule(f"step {report.step}", characters="-")
-            self.console.print(frame)
+            self.console.print(self.frame(report, story))
         self.draw_seconds += time.perf_counter() - t0
-        time.sleep(self.delay)
-        self.tick = (time.perf_counter(), generated)
+        time.sleep(self.delay * (1 + len(story)))
+        if self.wait:
+            sys.stdin.readline()   # Enter: the next step
 
-    def frame(self, report, events):
-        """The engine now, as rich text: step and metrics, the pools, the sequences, the events."""
+    def frame(self, report, events, height=None):
+        """The engine after a step, in rows that fit the width. With a height (a live terminal)
+        the events take the rows left: this step's that fit, a count of the rest, then older."""
         width = self.console.width
-        # in a terminal the frame fits its height: pools and sequences fold when there are many
-        height = self.console.height if self.live else 200
-        lines = [Text(self.metrics(report))] + self.pools(width, max(2, (height - 12) // 3))
-        lines += self.sequences(width, max(3, height - 10 - len(lines)))
-        lines += [Text(f"{e.step:>5}  {e.words()}"[:width if self.live else None])
-                  for e in events]   # a trace wraps long events; a live frame keeps its height
-        return Group(*lines)
+        top = self.metrics(report, width) + self.batch(report.batch, width)
+        top += self.pools(width, max(2, (height - 14) // 3) if height else 1 << 30)
+        story = [wrapped(f"{e.step:>5}  {e.words()}", width, indent=7) for e in events]
+        if height is None:
+            return Group(*top, *self.sequences(width, 1 << 30), *itertools.chain(*story))
+        room = height - len(top)
+        seqs = self.sequences(width, max(3, room - 3 - min(sum(map(len, story)), room // 2)))
+        rows = room - len(seqs)
+        shown = []
+        for i, event_rows in enumerate(story):
+            if len(shown) + len(event_rows) + (i < len(story) - 1) > rows:
+                shown.append(Text(f"  ... and {len(story) - i} more events in step {report.step}"))
+                break
+            shown += event_rows
+        for e in reversed([e for e in self.events if e.step < report.step]):
+            event_rows = wrapped(f"{e.step:>5}  {e.words()}", width, "dim", indent=7)
+            if len(shown) + len(event_rows) > rows:
+                break
+            shown = event_rows + shown
+        return Group(*top, *seqs, *shown)
 
-    def metrics(self, report):
-        """Two lines: the pool's fill, then what the memory system did so far."""
+    def metrics(self, report, width):   # the pool's fill, then what the memory system did so far
         s = report.stats
         bm = self.llm.block_manager
         first = (f"step {report.step} | usage {s['kv_cache_usage_perc']:.0%} "
-                 f"({bm.num_used_blocks()}/{bm.num_blocks} blocks) | occupancy "
-                 f"{s['token_occupancy_perc']:.0%} | hit rate {s['prefix_cache_hit_rate']:.0%}")
+                 f"({bm.num_used_blocks()}/{bm.num_blocks} blocks) | cached "
+                 f"{len(bm.device.cached_block_ids)} | occupancy {s['token_occupancy_perc']:.0%}"
+                 f" | hit rate {s['prefix_cache_hit_rate']:.0%}")
         second = (f"preemptions {s['num_preemptions']} | swapped out {s['num_swapped_out_blocks']}"
                   f" in {s['num_swapped_in_blocks']} | copies {s['num_cow_copies']} | "
                   f"evictions {s['num_evictions']}")
-        if self.live:   # a timing: left out of traces, which repeat exactly
-            second += f" | {self.tokens_per_second:.1f} tok/s"
-        return first + "\n" + second
+        return wrapped(first, width) + wrapped(second, width)
 
-    def _cells(self, blocks, seqs, per_cell):
-        """One character per block: its ref_count (+ from 10), · cached, . free; or, folded, one
-        per per_cell blocks: █ all used, ▒ some used, · some cached, . all free."""
+    def batch(self, batch, width):   # what the step ran: prefill chunks beside decodes
+        ran = [(s, s.num_computed_tokens - n, n) for _, s, n in batch.entries]   # n from start a
+        parts = [f"seq {s.seq_id} prefill {a}-{a + n - 1} of {s.prefill_until}"
+                 for s, a, n in ran if a < s.prefill_until]
+        decodes = sorted(s.seq_id for s, a, _ in ran if a >= s.prefill_until)
+        parts += [f"seqs {_ids(decodes)} decode"] * bool(decodes)
+        tokens = f"{batch.num_tokens} token" + "s" * (batch.num_tokens != 1)
+        return wrapped(f"ran {tokens}: " + " | ".join(parts), width)
+
+    def _cells(self, blocks, seqs, per_cell):   # a cell per per_cell blocks: see the key in pools()
         holders = {}   # block id -> ids of the requests whose tables hold it
         for seq in seqs:
             for block_id in seq.block_table:
@@ -1556,52 +1552,62 @@ class View:
             else:
                 b = used[0]
                 requests = holders.get(b.block_id, ())
-                owner = min(requests, default=0)
-                colour = "white" if len(requests) > 1 else HOLDER_COLOURS[owner % 8]
+                hue = "white" if len(requests) > 1 else HOLDER_COLOURS[min(requests, default=0) % 8]
                 cells.append(str(b.ref_count) if b.ref_count < 10 else "+",
-                             f"bold {colour}" if b.ref_count > 1 else colour)
+                             f"bold {hue}" if b.ref_count > 1 else hue)
         return cells
 
-    def pools(self, width, max_rows):
-        """The device pool and, beside it, the CPU pool: rows of cells, each led by its first id."""
+    def pools(self, width, max_rows):   # each pool's rows of cells, then the key to every symbol
         bm = self.llm.block_manager
-        cpu_cols = 16 if bm.num_cpu_blocks else 0
-        pools = [("device pool", bm.device, 64 if width >= 110 + cpu_cols else 32)]
-        if cpu_cols:
-            pools.append(("cpu pool", bm.cpu, cpu_cols))
-        titles, columns = [], []   # columns: each pool's rows, padded to its width, 6 + n cells
-        for title, pool, n in pools:
+        n = 64 if width >= 76 else 32   # cells a row
+        lines, folds = [], []
+        for pool in [bm.device, bm.cpu][:1 + bool(bm.num_cpu_blocks)]:
             per_cell = max(1, math.ceil(len(pool.blocks) / (n * max_rows)))
             cells = self._cells(pool.blocks, pool.seqs.values(), per_cell)
-            rows = [Text(f"{i * per_cell:>5} ") + cells[i:i + n] for i in range(0, len(cells), n)]
-            columns.append([row + " " * (n + 6 - len(row)) for row in rows])
-            titles.append(f"{title}, {per_cell} blocks a cell" if per_cell > 1 else title)
-        lines = [Text(f"{titles[0]:<{pools[0][2] + 6}}" + "".join("    " + t for t in titles[1:]))]
-        for i in range(max(map(len, columns))):
-            parts = [rows[i] if i < len(rows) else Text(" " * len(rows[0])) for rows in columns]
-            lines.append(Text("  │ ").join(parts))
-        return lines + [Text("digits: ref_count (bold: shared)   ·: cached   .: free", "dim")]
+            lines += [Text(f"{pool.name if i == 0 else '':<6}{i * per_cell:>5} ") + cells[i:i + n]
+                      for i in range(0, len(cells), n)]   # each row led by its first block's id
+            folds += [f"{pool.name}: {per_cell} blocks a cell"] * (per_cell > 1)
+        key = ("digit: ref_count in its request's colour (white: several), bold: shared, +: 10 or "
+               "more | ·: cached | .: free | table: *: shared, (+k): k more")
+        if folds:
+            key += f" | {', '.join(folds)}: █ all used, ▒ some used, · some cached, . all free"
+        return lines + wrapped(key, width, "dim")
 
-    def sequences(self, width, max_rows):
-        """One row per live sequence, the columns its header names; a swapped-out table: CPU ids."""
+    def sequences(self, width, max_rows):   # a row per live sequence: K/V written, table, text
         bm = self.llm.block_manager
         sched = self.llm.scheduler
         rows = [(r, s) for r in [*sched.running, *sched.swapped, *sched.waiting] for s in r.seqs]
-        lines = [Text("  seq  req  state    block table (*: shared)   last block  text", "bold")]
+        header = f"{'seq':>5} {'req':>4}  {'state':<8} {'K':>4}/{'V':<4}  {'block table':<26} text"
+        lines = [Text(header, "bold")]
         for request, seq in rows[:max_rows]:
             pool = (bm.cpu if request.status is RequestStatus.SWAPPED else bm.device).blocks
-            ids = [f"{b}*" if pool[b].ref_count > 1 else f"{b}" for b in seq.block_table]
-            if len(ids) > 8:   # long tables: the first blocks, the last, and how many in all
-                ids = ids[:3] + [f"...{len(ids)}..."] + ids[-3:]
-            stored = seq.num_written_tokens - bm.block_size * (len(seq.block_table) - 1)
-            fill = min(bm.block_size, max(0, stored)) if seq.block_table else 0   # K/V in it
-            tail = self.llm._detokenize(seq.token_ids[-10:]) or repr(seq.token_ids[-6:])
-            line = (f"{seq.seq_id:>5} {request.request_id:>4}  {request.status.value:<8} "
-                    f"{'[' + ' '.join(ids) + ']':<26} {fill:>3}/{bm.block_size:<4}  ")
-            lines.append(Text(line + printable(tail)[:max(0, width - len(line))]))
+            line = Text(f"{seq.seq_id:>5} {seq.request_id:>4}", HOLDER_COLOURS[seq.request_id % 8])
+            line.append(f"  {request.status.value:<8} {seq.num_written_tokens:>4}/{len(seq):<4}  "
+                        f"{table_text(pool, seq.block_table, 26):<26} ")
+            room = max(0, width - len(line))
+            tail = seq.token_ids[-room:] if room else []
+            line.append(printable(self.llm._detokenize(tail) or " ".join(map(str, tail)))[-room:])
+            lines.append(line)
         if len(rows) > max_rows:
             lines.append(Text(f"  ... and {len(rows) - max_rows} more sequences", "dim"))
         return lines
+
+SVG_CHAR_WIDTH = 20 * 0.61   # rich's SVG: 20-pixel characters of Fira Code's aspect ratio
+SVG_RUN = re.compile(r'x="([\d.]+)" (y="[\d.]+") textLength="([\d.]+)"([^>]*)>'
+                     r'((?:&#160;)*)(.*?)((?:&#160;)*)</text>')
+
+def save_svg(frame, path, width):
+    """The frame as an SVG image, each run of text at its column: rsvg-convert drops a run's
+    leading and trailing spaces (&#160;), so they go into its x and length instead."""
+    recorder = Console(record=True, width=width, file=io.StringIO())
+    recorder.print(frame)
+    def aligned(m):
+        lead, trail = len(m[5]) // 6, len(m[7]) // 6
+        x = float(m[1]) + lead * SVG_CHAR_WIDTH
+        length = float(m[3]) - (lead + trail) * SVG_CHAR_WIDTH
+        return f'x="{x:g}" {m[2]} textLength="{length:g}"{m[4]}>{m[6]}</text>'
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(SVG_RUN.sub(aligned, recorder.export_svg(title="nanopaged")))
 
 # ----------------------------------------------------------------------------------------------
 # 12. Command line: demos that provoke each mechanism, watched live or traced
@@ -1610,65 +1616,80 @@ SYSTEM = "You are a helpful assistant. Answer in one short sentence.\n"
 QUESTIONS = ["What is a cache?", "Why is the sky blue?", "What is a prime number?",
              "Name a planet.", "What does a scheduler do?"]
 DEMOS = {   # name: what it shows
-    "mix": "all of the below in one small pool (the default)",
-    "prefix": "a system prompt computed once, found in the prefix cache by later requests",
+    "mix": "most of the below in one small pool (the default)",
+    "prefix": "a system prompt computed once, found by later requests (one word changed: none)",
     "fork": "n=4 samples share their prompt's blocks; the last block is copied on write",
     "beam": "beam search, width 3: beams fork and die on shared blocks",
     "preempt": "five requests, a small pool: swapped out, or recomputed when CPU blocks run short",
     "evict": "finished requests' blocks stay cached until new prompts evict them, oldest first",
+    "batching": "continuous batching: requests arrive while others decode and join their steps",
+    "chunked": "chunked prefill: a long prompt computed over steps, 8 tokens a step with a decode",
+    "watermark": "a request that would fit waits: it would leave no block for the next decode",
 }
 # each demo's pool, of 4-token blocks: small enough for a screen to show every block
 DEMO_POOLS = {"mix": dict(num_blocks=24, num_cpu_blocks=12, preemption_mode="swap"),
-              "prefix": dict(num_blocks=64), "fork": dict(num_blocks=48),
-              "beam": dict(num_blocks=64), "evict": dict(num_blocks=12),
-              "preempt": dict(num_blocks=36, num_cpu_blocks=14, preemption_mode="swap")}
+              "preempt": dict(num_blocks=36, num_cpu_blocks=14, preemption_mode="swap"),
+              "chunked": dict(num_blocks=48, max_num_batched_tokens=8), "fork": dict(num_blocks=48),
+              "evict": dict(num_blocks=12), "watermark": dict(num_blocks=100),   # a watermark of 1
+              **{name: dict(num_blocks=64) for name in ("prefix", "beam", "batching")}}
 
-def demo_waves(name, text):
-    """The waves [(prompts, params)], run in turn: later waves hit what earlier ones cached."""
+def demo_arrivals(name, text):
+    """A demo's requests, [(step, prompts, params)]: each queued once the engine has run `step`
+    steps (an idle engine skips ahead to the next), so a trace repeats exactly."""
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     longer = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     samples = SamplingParams(temperature=0.8, n=4, max_tokens=10, ignore_eos=True, seed=0)
+    pair = SamplingParams(temperature=0.8, n=2, max_tokens=24, ignore_eos=True, seed=1)
     beams = BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True)
     ask = [text(SYSTEM + q) for q in QUESTIONS]
+    friendly = text(SYSTEM.replace("helpful", "friendly") + QUESTIONS[0])   # block 0 differs
     return {
-        "mix": [(ask[:1], samples), (ask[1:], longer), ([text(QUESTIONS[0])], beams)],
-        "prefix": [(ask[:1], greedy), (ask[1:3], greedy)],
-        "fork": [([text("Write a haiku about memory:")], samples)],
-        "beam": [([text("The capital of France is")], beams)],
-        "preempt": [(ask, longer)],
-        "evict": [([prompt], greedy) for prompt in ask[:4] + ask[3:4]],
+        "mix": [(0, ask[:1], samples), (10, ask[1:4], longer), (10, ask[4:], pair),
+                (60, [text(QUESTIONS[0])], beams)],
+        "prefix": [(0, ask[:1], greedy), (12, ask[1:3] + [friendly], greedy)],
+        "fork": [(0, [text("Write a haiku about memory:")], samples)],
+        "beam": [(0, [text("The capital of France is")], beams)],
+        "preempt": [(0, ask, longer)],
+        "evict": [(12 * i, [prompt], greedy) for i, prompt in enumerate(ask[:4] + ask[3:4])],
+        "batching": [(3 * i, [prompt], greedy) for i, prompt in enumerate(ask[:4])],
+        "chunked": [(0, ask[:1], longer), (2, [text(SYSTEM + " ".join(QUESTIONS))], greedy)],
+        # 200 tokens (50 blocks), then 196 (49): at step 2 the first has taken its 51st block
+        "watermark": [(0, [text(ask[0], 200)], greedy), (1, [text(QUESTIONS[1], 196)], greedy)],
     }[name]
 
-def demo_text(llm):
-    """A demo text as a prompt: itself, or for random weights a made-up id a word, as long."""
-    if llm.tokenizer is not None:
-        return lambda s: s
-    return lambda s: [sum(w.encode()) % llm.model.config.vocab_size for w in s.split()]
+def demo_text(llm):   # text(s, length): token ids (random weights: a made-up id a word)
+    def text(s, length=None):
+        if isinstance(s, str):
+            vocab = llm.model.config.vocab_size
+            s = tokenize(llm, s) if llm.tokenizer else [sum(w.encode()) % vocab for w in s.split()]
+        return (s * length)[:length] if length else s
+    return text
 
-def demo_pool(name, block_size):
-    """The demo's pool: its blocks are counted for 4-token blocks, so smaller blocks get more."""
+def demo_pool(name, block_size):   # DEMO_POOLS counts 4-token blocks: smaller ones get more
     scale = max(1, 4 // max(1, block_size))   # a block_size < 1 is refused by check_pool_args
     return {k: v * scale if k.startswith("num_") else v for k, v in DEMO_POOLS[name].items()}
 
-def run_demo(llm, name, live=False, trace=False, delay=0.0, svg=None):
-    """Run a demo's waves through llm, watched live, traced or neither, and print every output;
-    return the run's seconds and the view's. Every wave is checked first: a ValueError runs none."""
-    waves = demo_waves(name, demo_text(llm))
-    for prompts, params in waves:
+def run_demo(llm, name, live=False, trace=False, delay=0.0, svg=None, svg_step=None, wait=False):
+    """Run a demo (every request checked first), print its outputs; return run and view seconds."""
+    arrivals = demo_arrivals(name, demo_text(llm))
+    for _, prompts, params in arrivals:
         checked_requests(llm, prompts, params, type(params))
-    view = View(llm, live=live, delay=delay, svg=svg) if live or trace or svg else None
+    quiet = None if live or trace else Console(file=io.StringIO(), width=80)   # an SVG alone
+    view = View(llm, live, quiet, delay, svg, svg_step, wait) if live or trace or svg else None
     t0 = time.perf_counter()
+    request_ids = []
     with view or contextlib.nullcontext():
-        outputs = []
-        for prompts, params in waves:
-            if isinstance(params, BeamSearchParams):
-                outputs += [(o.request_id, s.text or s.token_ids, f"score {s.score:.3f}")
-                            for o in llm.beam_search(prompts, params) for s in o.sequences]
-            else:
-                outputs += [(o.request_id, c.text or c.token_ids, c.finish_reason)
-                            for o in llm.generate(prompts, params) for c in o.outputs]
-    for request_id, text_or_ids, how in outputs:
-        print(f"[{request_id}] {text_or_ids!r}  ({how})")
+        for step, prompts, params in arrivals:
+            while llm.num_steps < step and llm.scheduler.has_unfinished():
+                llm.step()
+            request_ids += llm.add_requests(prompts, params, type(params))
+        while llm.scheduler.has_unfinished():
+            llm.step()
+    for out in map(llm.output, request_ids):
+        beams = isinstance(out, BeamSearchOutput)
+        for c in out.sequences if beams else out.outputs:
+            how = f"score {c.score:.3f}" if beams else c.finish_reason
+            print(f"[{out.request_id}] {c.text or c.token_ids!r}  ({how})")
     return time.perf_counter() - t0, view.draw_seconds if view else 0.0
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -1676,16 +1697,18 @@ class ArgumentParser(argparse.ArgumentParser):
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         sys.exit(2)
 
-def main():
+if __name__ == "__main__":
     p = ArgumentParser(
         description="nanopaged: run a demo through a paged KV cache and watch its blocks",
         epilog="demos: " + "; ".join(f"{name}: {what}" for name, what in DEMOS.items()))
     p.add_argument("--demo", default="mix", choices=DEMOS, help="which demo to run (see below)")
     p.add_argument("--live", action="store_true", help="redraw the pool and tables every step")
     p.add_argument("--trace", action="store_true", help="print a plain snapshot every step")
-    p.add_argument("--svg", default=None, help="save the view of the busiest step to this file")
+    p.add_argument("--svg", default=None, help="save one step's view to this file, as an image")
+    p.add_argument("--svg-step", type=int, help="the step --svg saves (default: most events)")
     p.add_argument("--delay", type=float, default=0.0,
-                   help="seconds to pause after each step (with --live or --trace)")
+                   help="seconds to pause after each step, and as many per event it shows")
+    p.add_argument("--step", action="store_true", help="wait for Enter after each step")
     p.add_argument("--model", help="None: SmolLM2-135M-Instruct; a directory; random:<preset>")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--block-size", type=int, default=4, help="tokens per KV cache block")
@@ -1700,16 +1723,21 @@ def main():
         p.error(f"--svg {args.svg}: no such folder")
     if not (math.isfinite(args.delay) and args.delay >= 0):
         p.error(f"argument --delay: must be a number of seconds >= 0, got {args.delay}")
-    if args.delay and not (args.live or args.trace):
-        p.error("--delay pauses the view: give --live or --trace with it")
+    if (args.delay or args.step) and not (args.live or args.trace):
+        p.error("--delay and --step pause the view: give --live or --trace with them")
+    if args.svg_step is not None and not (args.svg and args.svg_step >= 1):
+        p.error(f"--svg-step {args.svg_step}: give a step >= 1, and --svg")
     kwargs = dict(demo_pool(args.demo, args.block_size), block_size=args.block_size,
                   debug_blocks=args.debug_blocks, enable_prefix_caching=not args.no_prefix_caching)
     optional = ("num_blocks", "num_cpu_blocks", "preemption_mode", "max_num_batched_tokens")
     kwargs.update({k: getattr(args, k) for k in optional if getattr(args, k) is not None})
     llm = None
     try:
-        llm = LLM(args.model, device=args.device, **kwargs)
-        seconds, drawing = run_demo(llm, args.demo, args.live, args.trace, args.delay, args.svg)
+        loading = Console(stderr=True).status("loading the model") if args.live else None
+        with loading or contextlib.nullcontext():
+            llm = LLM(args.model, device=args.device, **kwargs)
+        seconds, drawing = run_demo(llm, args.demo, args.live, args.trace, args.delay, args.svg,
+                                    args.svg_step, args.step)
     except ValueError as e:   # bad input: nothing ran
         p.error(str(e))
     except KeyboardInterrupt:   # Ctrl-C: the view has given the terminal back
@@ -1720,6 +1748,3 @@ def main():
     if not args.trace:   # a trace repeats exactly: it prints no timings
         print(f"{llm.num_generated_tokens / seconds:.1f} tokens/s generated in {seconds:.1f} s"
               + (f", {drawing / seconds:.1%} of it drawing the view" if args.live else ""))
-
-if __name__ == "__main__":
-    main()

@@ -11,7 +11,8 @@ import pytest
 from rich.console import Console
 
 from conftest import assert_no_block_held, checked
-from nanopaged import DEMO_POOLS, DEMOS, LLM, RequestStatus, View, demo_text, demo_waves
+from nanopaged import (DEBUG_KINDS, DEMO_POOLS, DEMOS, LLM, RequestStatus, SamplingParams, View,
+                       demo_arrivals, demo_pool, demo_text, table_text)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,14 +23,28 @@ def expected_cell(block):
     return "·" if block.hash is not None else "."
 
 
+def expand_table(text):
+    """'[0-2* 5 (+3) 9]' -> ([(0, '*'), (1, '*'), (2, '*'), (5, '')], 3, [(9, '')])."""
+    head, hidden, tail = [], 0, []
+    for part in text.strip("[]").split():
+        if part.startswith("(+"):
+            hidden, head, tail = int(part[2:-1]), tail, []
+            continue
+        mark = "*" if part.endswith("*") else ""
+        first, _, last = part.rstrip("*").partition("-")
+        tail += [(b, mark) for b in range(int(first), int(last or first) + 1)]
+    return (tail, 0, []) if not hidden else (head, hidden, tail)
+
+
 def check_frame(text, llm, report):
     """Parse one drawn frame and hold every figure in it to the engine at this step."""
     bm, stats = llm.block_manager, report.stats
     lines = text.splitlines()
-    first = re.match(r"step (\d+) \| usage (\d+)% \((\d+)/(\d+) blocks\) \| occupancy (\d+)% \| "
-                     r"hit rate (\d+)%", lines[0]).groups()
+    first = re.match(r"step (\d+) \| usage (\d+)% \((\d+)/(\d+) blocks\) \| cached (\d+) \| "
+                     r"occupancy (\d+)% \| hit rate (\d+)%", lines[0]).groups()
     assert first == (str(report.step), f"{stats['kv_cache_usage_perc']:.0%}"[:-1],
                      str(bm.num_used_blocks()), str(bm.num_blocks),
+                     str(len(bm.device.cached_block_ids)),
                      f"{stats['token_occupancy_perc']:.0%}"[:-1],
                      f"{stats['prefix_cache_hit_rate']:.0%}"[:-1])
     second = re.match(r"preemptions (\d+) \| swapped out (\d+) in (\d+) \| copies (\d+) \| "
@@ -37,42 +52,62 @@ def check_frame(text, llm, report):
     assert tuple(map(int, second)) == (stats["num_preemptions"], stats["num_swapped_out_blocks"],
                                        stats["num_swapped_in_blocks"], stats["num_cow_copies"],
                                        stats["num_evictions"])
-    # the pools: every block's cell, the device pool left of the bar, the CPU pool right of it
-    legend = next(i for i, line in enumerate(lines) if line.startswith("digits:"))
-    shown = {"device": {}, "cpu": {}}
-    for line in lines[3:legend]:
-        for pool, part in zip(("device", "cpu"), line.split("│")):
-            if part.strip():
-                start, cells = re.match(r"\s*(\d+) (\S*)", part).groups()
-                shown[pool].update((int(start) + i, c) for i, c in enumerate(cells))
+    # what the step ran: each prefill chunk's positions, the decodes
+    pool_top = next(i for i, line in enumerate(lines) if line.startswith("device "))
+    ran = " ".join(lines[2:pool_top])
+    for _, seq, n in report.batch.entries:
+        start = seq.num_computed_tokens - n
+        if start < seq.prefill_until:
+            assert f"seq {seq.seq_id} prefill {start}-{start + n - 1} of {seq.prefill_until}" in ran
+    assert ran.startswith(f"ran {report.batch.num_tokens} token")
+    # the pools: every block's cell, each pool's rows led by its name, then the first block's id
+    legend = next(i for i, line in enumerate(lines) if line.startswith("digit:"))
+    shown, pool = {"device": {}, "cpu": {}}, None
+    for line in lines[pool_top:legend]:
+        name, start, cells = re.match(r"(device|cpu)?\s+(\d+) (\S+)$", line).groups()
+        pool = name or pool
+        shown[pool].update((int(start) + i, c) for i, c in enumerate(cells))
     assert shown["device"] == {b.block_id: expected_cell(b) for b in bm.device.blocks}
     assert shown["cpu"] == {b.block_id: expected_cell(b) for b in bm.cpu.blocks}
-    # the sequences: every live one, with its request, state, block table and last block's fill
+    # the sequences: every live one, with its request, state, K/V written and block table
     sched = llm.scheduler
     live = {s.seq_id: (r, s) for q in (sched.running, sched.swapped, sched.waiting)
             for r in q for s in r.seqs}
-    rows = [re.match(r"\s*(\d+)\s+(\d+)\s+(\w+)\s+\[([^\]]*)\]\s+(\d+)/(\d+)", line)
-            for line in lines[legend + 2:]]
+    header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("seq  req"))
+    rows = [re.match(r"\s*(\d+)\s+(\d+)\s+(\w+)\s+(\d+)/(\d+)\s+(\[[^\]]*\])", line)
+            for line in lines[header + 1:]]
     rows = [row.groups() for row in rows if row]
     assert sorted(int(row[0]) for row in rows) == sorted(live)
-    for seq_id, request_id, state, ids, fill, block_size in rows:
+    for seq_id, request_id, state, written, length, table in rows:
         request, seq = live[int(seq_id)]
+        assert (int(request_id), state) == (request.request_id, request.status.value)
+        assert (int(written), int(length)) == (seq.num_written_tokens, len(seq))
         pool = bm.cpu.blocks if request.status is RequestStatus.SWAPPED else bm.device.blocks
-        want = [f"{b}*" if pool[b].ref_count > 1 else str(b) for b in seq.block_table]
-        if len(want) > 8:
-            want = want[:3] + [f"...{len(want)}..."] + want[-3:]
-        assert (int(request_id), state, ids.split()) == (request.request_id, request.status.value, want)
-        last = len(seq.block_table) - 1   # tokens with K/V in the last block of the table
-        in_last = sum(1 for p in range(seq.num_computed_tokens) if p // bm.block_size == last)
-        assert (int(fill), int(block_size)) == (in_last, bm.block_size)
-    # the events of this step, in their words
-    for event in (e for e in report.events if e.kind != "allocate"):
-        assert f"{event.step:>5}  {event.words()}" in lines
+        want = [(b, "*" if pool[b].ref_count > 1 else "") for b in seq.block_table]
+        head, hidden, tail = expand_table(table)
+        assert head + tail == want[:len(head)] + want[len(want) - len(tail):]
+        assert len(head) + hidden + len(tail) == len(want) and len(table) <= 26
+    # the events of this step, in their words (a wrapped one continues 7 columns in)
+    joined = text.replace("\n       ", " ")
+    for event in report.events:
+        assert f"{event.step:>5}  {event.words()}" in joined
+
+
+def run_arrivals(llm, arrivals):
+    """Queue each (step, prompts, params) once llm has run that many steps; run to the end."""
+    for step, prompts, params in arrivals:
+        while llm.num_steps < step and llm.scheduler.has_unfinished():
+            llm.step()
+        llm.add_requests(prompts, params, type(params))
+    while llm.scheduler.has_unfinished():
+        llm.step()
+    for request_id in list(llm.requests):
+        llm.output(request_id)
 
 
 def test_view_shows_every_block_table_and_metric_as_the_engine_has_them():
     """On a run with prefix hits, forks with copy-on-write, a swap and evictions, every frame's
-    cells, tables, states and metrics equal the engine's at that step."""
+    cells, tables, K/V counts, states, batch and metrics equal the engine's at that step."""
     llm = checked(LLM("random:tiny", block_size=4, **DEMO_POOLS["mix"]))
     console = Console(record=True, width=200, color_system=None, file=io.StringIO())
     kinds = set()
@@ -83,30 +118,72 @@ def test_view_shows_every_block_table_and_metric_as_the_engine_has_them():
 
     with View(llm, live=False, console=console):
         llm.on_step.append(check)   # after the view: it reads the frame this step drew
-        for prompts, params in demo_waves("mix", demo_text(llm)):
-            if hasattr(params, "beam_width"):
-                llm.beam_search(prompts, params)
-            else:
-                llm.generate(prompts, params)
+        run_arrivals(llm, demo_arrivals("mix", demo_text(llm)))
     assert {"prefix hit", "fork", "copy", "swap out", "swap in", "evict"} <= kinds
     assert_no_block_held(llm)
 
 
-def test_a_frame_fits_an_80x24_terminal():
-    """Every frame of the default demo fits 80 columns and 24 lines, thousands of blocks too."""
-    for num_blocks in (DEMO_POOLS["mix"]["num_blocks"], 5000):
-        llm = LLM("random:tiny", block_size=4, **{**DEMO_POOLS["mix"], "num_blocks": num_blocks})
-        console = Console(width=80, height=24, file=io.StringIO(), color_system=None)
-        view = View(llm, live=True, console=console)   # not entered: frames are only measured
-        sizes = []
-        llm.on_step.append(lambda report: sizes.append(
-            console.render_lines(view.frame(report, view.events), pad=False)))
-        for prompts, params in demo_waves("mix", demo_text(llm))[:2]:
-            llm.generate(prompts, params)
-        assert max(len(lines) for lines in sizes) <= 24
-        assert max(sum(len(s.text) for s in line) for lines in sizes for line in lines) <= 80
-        if num_blocks == 5000:   # folded: each cell stands for several blocks
-            assert "blocks a cell" in "".join(s.text for s in sizes[0][2])
+def test_a_long_block_table_is_cut_in_its_middle_and_says_how_many_it_leaves_out():
+    """A 40-block table fits its 26 columns: its first and last runs, and (+k) for the rest."""
+    llm = LLM("random:tiny", block_size=4, num_blocks=128)
+    pool = llm.block_manager.device.blocks
+    table = [b for b in range(0, 120, 3)][:40]   # no two ids in a row: nothing folds into a run
+    text = table_text(pool, table, 26)
+    head, hidden, tail = expand_table(text)
+    assert len(text) <= 26 and hidden > 0 and len(head) + hidden + len(tail) == 40
+    assert [b for b, _ in head] == table[:len(head)] and [b for b, _ in tail] == table[-len(tail):]
+    assert table_text(pool, list(range(40)), 26) == "[0-39]"
+
+
+def frames_of(llm, arrivals, width, height):
+    """Every live frame of the run at width x height: (report, rendered lines)."""
+    console = Console(width=width, height=height, file=io.StringIO(), color_system=None)
+    view = View(llm, live=True, console=console)   # not entered: frames are only measured
+    frames = []
+
+    def draw(report):
+        view(report)   # keeps the events it has seen, as when entered
+        story = [e for e in report.events if e.kind not in DEBUG_KINDS]
+        lines = console.render_lines(view.frame(report, story, height), pad=False)
+        frames.append((report, ["".join(s.text for s in line) for line in lines]))
+
+    llm.on_step.append(draw)
+    run_arrivals(llm, arrivals)
+    return frames
+
+
+@pytest.mark.parametrize("width,height", [(80, 24), (120, 40)])
+def test_the_live_view_shows_or_counts_every_event_and_fits_the_terminal(width, height):
+    """A run with a step of 14 evictions and a swap-in, drawn live at 80x24 and 120x40: every
+    frame fits the terminal, and each event of its step is shown in full or counted."""
+    llm = checked(LLM("random:tiny", block_size=4, **DEMO_POOLS["mix"]))
+    text = demo_text(llm)
+    fill = [(0, [list(range(1, 81))], SamplingParams(temperature=0, max_tokens=2))]   # 20 cached
+    evict = [(2, [list(range(100, 172))], SamplingParams(temperature=0, max_tokens=2))]   # 18 new
+    arrivals = [(4 + step, prompts, params) for step, prompts, params in demo_arrivals("mix", text)]
+    frames = frames_of(llm, fill + evict + arrivals, width, height)
+    most = max(sum(e.kind == "evict" for e in report.events) for report, _ in frames)
+    assert most >= 14 and any(e.kind == "swap in" for report, _ in frames for e in report.events)
+    for report, lines in frames:
+        assert len(lines) <= height and max(map(len, lines)) <= width
+        joined = "\n".join(lines).replace("\n       ", " ")
+        story = [e for e in report.events if e.kind not in DEBUG_KINDS]
+        missing = [e for e in story if f"{e.step:>5}  {e.words()}" not in joined]
+        if missing:   # the rest of the step, counted: never silently dropped
+            assert f"... and {len(missing)} more events in step {report.step}" in joined
+            assert story[-len(missing):] == missing
+    assert_no_block_held(llm)
+
+
+def test_a_frame_fits_an_80x24_terminal_with_thousands_of_blocks():
+    """Thousands of blocks fold into a grid of cells that fits 80 columns and 24 lines."""
+    llm = LLM("random:tiny", block_size=4, **{**DEMO_POOLS["mix"], "num_blocks": 5000})
+    frames = frames_of(llm, demo_arrivals("mix", demo_text(llm))[:2], 80, 24)
+    assert max(len(lines) for _, lines in frames) <= 24
+    assert max(len(line) for _, lines in frames for line in lines) <= 80
+    words = " ".join(" ".join(frames[0][1]).split())   # the legend may wrap anywhere
+    device_row = next(line for line in frames[0][1] if line.startswith("device"))
+    assert re.search(r"device: \d+ blocks a cell", words) and device_row.split()[2][0] == "▒"
 
 
 TRACE_WORDS = {   # what each demo's trace must show: the plain words of the events it provokes
@@ -117,7 +194,60 @@ TRACE_WORDS = {   # what each demo's trace must show: the plain words of the eve
     "beam": ["forks from", "copies shared block", "finishes (pruned)"],
     "preempt": ["preempted by swap", "swapped out:", "swapped in:", "preempted by recompute"],
     "evict": ["is evicted", "finds blocks"],
+    "batching": ["finds blocks", "decode"],
+    "chunked": ["prefill 0-7 of", "decode"],
+    "watermark": ["the watermark keeps 1 free"],
 }
+
+
+def demo_reports(name):
+    """Every StepReport of a demo on random weights, its invariants checked after each step."""
+    llm = checked(LLM("random:tiny", block_size=4, **demo_pool(name, 4)))
+    reports = []   # (report, its prefill chunks, its decodes), taken as each step ends
+    llm.on_step.append(lambda report: reports.append((report, chunks(report), decodes(report))))
+    run_arrivals(llm, demo_arrivals(name, demo_text(llm)))
+    assert_no_block_held(llm)
+    return llm, reports
+
+
+def chunks(report):
+    """(prompt length, first position, last position, first chunk?) of each prefill chunk."""
+    return [(s.num_prompt_tokens, s.num_computed_tokens - n, s.num_computed_tokens - 1,
+             s.num_computed_tokens - n == s.num_cached_tokens)
+            for _, s, n in report.batch.entries if s.num_computed_tokens - n < s.prefill_until]
+
+
+def decodes(report):
+    return [s.seq_id for _, s, n in report.batch.entries
+            if s.num_computed_tokens - n >= s.prefill_until]
+
+
+def test_batching_demo_runs_each_arrivals_first_prefill_chunk_beside_running_decodes():
+    """Continuous batching: three requests arrive while the first decodes, and each one's first
+    prefill chunk runs in one step with the decodes of those already running."""
+    _, reports = demo_reports("batching")
+    joined = [r.step for r, c, d in reports if any(first for *_, first in c) and d]
+    assert len(joined) == 3, joined
+
+
+def test_chunked_demo_fills_a_long_prompt_over_several_steps_beside_a_decode():
+    """Chunked prefill: the long prompt is computed 7 tokens a step (8 minus the decode) over
+    several steps, in order, each chunk beside the other request's decode."""
+    _, reports = demo_reports("chunked")
+    long_chunks = [(r, c, d) for r, cs, d in reports for c in cs if c[0] > 20]
+    assert len(long_chunks) >= 3
+    for (report, (_, _, last, _), d), (_, (_, following, _, _), _) in zip(long_chunks,
+                                                                         long_chunks[1:]):
+        assert following == last + 1 and report.batch.num_tokens == 8 and d
+
+
+def test_watermark_demo_keeps_a_request_out_that_would_fit():
+    """The watermark (1 block of 100) keeps the second request waiting in steps where its 49
+    blocks are free: admitting it would leave none for the first one's next decode."""
+    llm, reports = demo_reports("watermark")
+    held = [r.step for r, _, _ in reports if any(e.kind == "watermark" for e in r.events)]
+    assert llm.scheduler.watermark_blocks == 1 and held == [2, 3, 4, 5]
+    assert not any(e.kind == "preempt" for r, _, _ in reports for e in r.events)
 
 
 def trace(demo):
@@ -139,11 +269,35 @@ def test_trace_repeats_exactly():
     assert trace("mix") == trace("mix")
 
 
-def test_svg_keeps_the_busiest_step(tmp_path):
-    """--svg saves, as an SVG image, the frame of the step with the most blocks in use."""
+def svg_of(tmp_path, *argv):
     path = tmp_path / "view.svg"
-    out = subprocess.run([sys.executable, "nanopaged.py", "--model", "random:tiny", "--demo", "fork",
-                          "--svg", str(path)], cwd=ROOT, capture_output=True, text=True, check=True)
-    svg = path.read_text()
-    assert svg.startswith("<svg") and "device" in svg and "pool" in svg
+    out = subprocess.run([sys.executable, "nanopaged.py", "--model", "random:tiny", "--svg",
+                          str(path), *argv], cwd=ROOT, capture_output=True, text=True, check=True)
     assert "num_cow_copies" in out.stdout   # the run itself printed as without a view
+    svg = path.read_text()
+    assert svg.startswith("<svg")
+    runs = re.findall(r'<text [^>]*x="([\d.]+)"[^>]*clip-path[^>]*>([^<]*)</text>', svg)
+    return svg, [(x, t.replace("&#160;", " ")) for x, t in runs]   # the terminal's rows
+
+
+def test_svg_keeps_the_step_with_the_most_events_and_all_of_them(tmp_path):
+    """--svg saves the frame of the step with the most events (the first such), every one."""
+    steps = trace("mix").split("--- step ")[1:]   # the same run, traced: every step's events
+    events = [re.findall(rf"^ +{i + 1}  .*$", step, re.M) for i, step in enumerate(steps)]
+    most = max(range(len(events)), key=lambda i: len(events[i]))   # the first with the most
+    _, runs = svg_of(tmp_path, "--demo", "mix")
+    text = "\n".join(t for _, t in runs)
+    assert text.startswith(f"step {most + 1} |") and len(events[most]) >= 14
+    assert all(event.strip() in text for event in events[most])
+    _, runs = svg_of(tmp_path, "--demo", "mix", "--svg-step", "2")
+    assert runs[0][1].startswith("step 2 |")
+
+
+def test_svg_columns_line_up_without_leading_spaces(tmp_path):
+    """No run of text starts or ends with a space (some renderers drop them), and each run starts
+    at a whole column: x is a multiple of the character width."""
+    _, runs = svg_of(tmp_path, "--demo", "mix")
+    runs = [(x, t) for x, t in runs if t != "\n"]   # rich ends each row with a newline run
+    assert runs and all(t == t.strip() for _, t in runs)
+    columns = [float(x) / (20 * 0.61) for x, _ in runs]
+    assert all(abs(c - round(c)) < 1e-3 for c in columns)
