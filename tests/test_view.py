@@ -264,6 +264,37 @@ def test_trace_shows_every_event_its_demo_provokes(demo):
         assert words in out, f"the {demo} trace has no {words!r}"
 
 
+def test_batching_trace_shows_a_newcomers_prefill_beside_decodes_in_one_step():
+    """The batching demo's trace has a step whose `ran` line holds a prefill chunk and decodes."""
+    assert re.search(r"^ran \d+ tokens: seq \d+ prefill \d+-\d+ of \d+ \| seqs [\d, -]+ decode$",
+                     trace("batching"), re.M)
+
+
+def test_step_waits_for_enter_and_prints_the_same_trace():
+    """--step reads one line (Enter) after each step; the trace is the one without it."""
+    command = [sys.executable, "nanopaged.py", "--model", "random:tiny", "--demo", "fork",
+               "--trace", "--step"]
+    run = subprocess.run(command, cwd=ROOT, input="\n" * 10, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0 and run.stdout == trace("fork")
+    starved = subprocess.run(command, cwd=ROOT, input="\n" * 3, capture_output=True, text=True,
+                             timeout=120)   # stdin ends after 3 lines: readline returns at once
+    assert starved.returncode == 0
+
+
+def test_delay_pauses_longer_on_steps_with_events(monkeypatch):
+    """--delay S: each step pauses S, and S more for each event it shows."""
+    pauses = []
+    monkeypatch.setattr("nanopaged.time.sleep", pauses.append)
+    llm = LLM("random:tiny", block_size=4, num_blocks=48)
+    events = []
+    llm.on_step.append(lambda r: events.append(sum(e.kind not in DEBUG_KINDS for e in r.events)))
+    console = Console(file=io.StringIO(), width=80, color_system=None)
+    with View(llm, live=False, console=console, delay=0.5):
+        llm.generate([[1, 2, 3, 4, 5, 6, 7]], SamplingParams(n=4, max_tokens=4, seed=0))
+    assert pauses == [0.5 * (1 + n) for n in events] and min(events) == 0 and max(events) == 4
+
+
 def test_trace_repeats_exactly():
     """Two runs of the default demo's trace print the same text, character for character."""
     assert trace("mix") == trace("mix")
