@@ -1425,8 +1425,8 @@ def table_text(pool, block_table, width):
     parts = []   # (text, blocks) of each run of consecutive ids, all shared or none
     for _, run in itertools.groupby(enumerate(block_table), lambda p: (p[1] - p[0], shared(p[1]))):
         ids = [b for _, b in run]
-        text = f"{ids[0]}-{ids[-1]}" if len(ids) > 2 else f"{shared(ids[0])} ".join(map(str, ids))
-        parts.append((text + shared(ids[0]), len(ids)))
+        mark = shared(ids[0])   # the event log's runs ('0-2', '4, 5'), each id marked, no commas
+        parts.append((_ids(ids).replace(", ", f"{mark} ") + mark, len(ids)))
     for keep in range(len(parts), -1, -1):   # the first and last parts, as many as fit
         head, tail = parts[:(keep + 1) // 2], parts[len(parts) - keep // 2:]
         hidden = len(block_table) - sum(n for _, n in head + tail)
@@ -1527,11 +1527,11 @@ class View:
                   f"evictions {s['num_evictions']}")
         return wrapped(first, width) + wrapped(second, width)
 
-    def batch(self, batch, width):   # what the step ran: prefill chunks beside decodes
-        ran = [(s, s.num_computed_tokens - n, n) for _, s, n in batch.entries]   # n from start a
-        parts = [f"seq {s.seq_id} prefill {a}-{a + n - 1} of {s.prefill_until}"
-                 for s, a, n in ran if a < s.prefill_until]
-        decodes = sorted(s.seq_id for s, a, _ in ran if a >= s.prefill_until)
+    def batch(self, batch, width):   # prefill chunks beside decodes (postprocess: seqs past them)
+        ran = [(s, s.num_computed_tokens - n, n) for _, s, n in batch.entries]   # (seq, start, n)
+        parts = [f"seq {s.seq_id} prefill {start}-{start + n - 1} of {s.prefill_until}"
+                 for s, start, n in ran if start < s.prefill_until]
+        decodes = sorted(s.seq_id for s, start, _ in ran if start >= s.prefill_until)
         parts += [f"seqs {_ids(decodes)} decode"] * bool(decodes)
         tokens = f"{batch.num_tokens} token" + "s" * (batch.num_tokens != 1)
         return wrapped(f"ran {tokens}: " + " | ".join(parts), width)
