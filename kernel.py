@@ -12,9 +12,9 @@ its context_lens[i] tokens and attend causally to everything before them (q_len 
 chunk for a prefill), with grouped-query attention (num_heads a multiple of num_kv_heads).
 
 Read it in order, as a Triton tutorial: the K/V write; the PyTorch reference (the CPU path and
-the kernel's oracle, held by the tests to plain attention); the Triton kernel; its launcher and
-flash-decoding switch (num_kv_splits); dispatch, where the reading path ends; then the check and
-the benchmark. A first reading skips every NUM_SPLITS branch (flash-decoding's split and merge).
+the kernel's oracle, held by the tests to plain attention); the Triton kernel; its launcher;
+dispatch, where the reading path ends; then flash-decoding's switch (num_kv_splits_for), the check
+and the benchmark. A first reading skips every NUM_SPLITS branch (flash-decoding's split, merge).
 
     python kernel.py    checks the kernel against the reference over 36 shapes (CPU: interpreted,
                         float32; CUDA: compiled, bfloat16); on CUDA it also times decode against
@@ -226,18 +226,6 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, quer
 # Dispatch: CUDA tensors take the Triton kernel, CPU tensors the reference; NANOPAGED_ATTENTION=
 # torch or =triton forces one (=triton on CPU tensors needs TRITON_INTERPRET=1, the interpreter)
 
-def num_kv_splits_for(num_seqs, num_kv_heads, max_context_len, num_sms):
-    """The flash-decoding switch: split a context only when (sequence, KV head) programs are too
-    few to fill the GPU's num_sms and contexts are long (at least ~1k tokens per slice)."""
-    programs = num_seqs * num_kv_heads
-    if programs >= num_sms or max_context_len < 2048:
-        return 1
-    return min(16, max_context_len // 1024, (2 * num_sms) // programs)
-
-@functools.cache
-def num_sms(device):   # streaming multiprocessors: how many programs the GPU runs at once
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
                     max_query_len=None, max_context_len=None):
     """max_query_len, max_context_len: the batch's longest query and context, known to the
@@ -261,8 +249,21 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
 
 # ==============================================================================================
 # reading path ends here: the reference, the kernel's block-table walk and the dispatch are above;
-# below, for a second reading, the check against the reference and the benchmark
+# below, for a second reading, the flash-decoding switch, the check and the benchmark
 # ==============================================================================================
+
+def num_kv_splits_for(num_seqs, num_kv_heads, max_context_len, num_sms):
+    """The flash-decoding switch: split a context only when (sequence, KV head) programs are too
+    few to fill the GPU's num_sms and contexts are long (at least ~1k tokens per slice)."""
+    programs = num_seqs * num_kv_heads
+    if programs >= num_sms or max_context_len < 2048:
+        return 1
+    return min(16, max_context_len // 1024, (2 * num_sms) // programs)
+
+@functools.cache
+def num_sms(device):   # streaming multiprocessors: how many programs the GPU runs at once
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
 
 def random_case(seed=0, block_size=4, num_kv_heads=2, group=3, head_dim=16,
                 ctx_q=((13, 1), (7, 7), (20, 5), (1, 1)), dtype=torch.float32, device="cpu"):

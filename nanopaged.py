@@ -8,19 +8,21 @@ table mapping its logical blocks to physical ones. That one indirection buys:
   - sharing: requests with the same prefix point at the same blocks (prefix caching, through a
     hash chain), samples of one prompt share its blocks (fork), counted by ref_count;
   - copy-on-write: a shared block is copied only when somebody must write into it;
-  - preemption: when blocks run out, the newest request gives its blocks back, swapped to a CPU
-    pool of the same block shape or freed to be recomputed later.
+  - preemption: when blocks run out, the newest request gives its blocks back, swapped to the
+    host pool or freed to be recomputed later;
+  - a memory hierarchy: device, host memory, disk, one block shape; a cached block evicted from
+    one tier is written down to the next, and a prompt that finds it there loads it back up.
 
 Read it from the top down to the banner that ends the reading path: the engine in the order
 one request travels, with every mechanism of its memory system.
-  1. SamplingParams, BeamSearchParams, Sequence, Request    what a request is
-  2. Block, Pool, BlockManager    the block pools: allocate with prefix-cache hits, copy-on-write,
-                                  fork, free and eviction, swap between the device and the CPU
+  1. SamplingParams, Sequence, Request    what a request is
+  2. Block, Pool, BlockManager    the tiers: allocate with prefix-cache hits in any tier, copy-on-
+                                  write, fork, free, eviction down the tiers, swap
   3. ScheduledBatch, Scheduler    which tokens run this step; preemption when blocks run out
   4. LLM                          the engine: block copies, tensors for the model, sampling, step
 After the line, for a second reading: 5. API guards, 6. invariant checks, 7. events and the debug
-log, 8. the cost of preemption_mode='auto', 9. failure recovery, 10. beam search, 11. the live
-view, 12. the command line and its demos.
+log, 8. the cost rule (swap or recompute, load or recompute), 9. failure recovery, 10. sampling
+and beam search, 11. the live view, 12. the command line and its demos.
 
     python nanopaged.py --live           watch the default demo: the pool, every block table
     python nanopaged.py --demo fork --trace    a plain-text snapshot per step, for handouts
@@ -35,11 +37,14 @@ import itertools
 import math
 import os
 import re
+import shutil
 import signal
 import sys
+import tempfile
 import textwrap
 import threading
 import time
+import weakref
 from collections import Counter, OrderedDict, deque, namedtuple
 from dataclasses import dataclass, field
 from enum import Enum
@@ -66,20 +71,6 @@ class SamplingParams:
 
     def __post_init__(self):
         check_sampling_params(self)   # (section 5, API guards)
-
-@dataclass(frozen=True)
-class BeamSearchParams:
-    beam_width: int
-    max_tokens: int = 16
-    length_penalty: float = 1.0   # score = cum_logprob / length ** length_penalty (beam_output)
-    ignore_eos: bool = False
-
-    def __post_init__(self):
-        check_beam_search_params(self)
-
-    @property
-    def n(self):   # the most sequences the request holds at once: what the pool is sized by
-        return self.beam_width
 
 class Sequence:
     """One stream of tokens: a prompt and what was generated after it, and the block table saying
@@ -175,7 +166,7 @@ class Request:
         return len(self.seqs)
 
 # ----------------------------------------------------------------------------------------------
-# 2. The block pools
+# 2. The block pools: three tiers of one block shape
 
 @dataclass
 class Block:
@@ -187,16 +178,21 @@ class Block:
     prefix_id: int | None = None          # names the prefix this block ends (see _cache_hits)
     parent_prefix_id: int | None = None   # names the prefix before it (None: the first block)
 
+    @property
+    def entry(self):   # what the prefix cache knows of it; a copy of its K/V takes it along
+        return self.hash, self.token_ids, self.prefix_id, self.parent_prefix_id
+
 class Pool:
-    """One tier of blocks of one shape, the device pool or the CPU pool. Each block is used
-    (ref_count > 0), cached (ref_count 0 but registered in the prefix cache: its K/V reusable
-    until evicted) or free, and moves between these in O(1)."""
+    """One tier of blocks of one shape: the device pool, the host pool or the disk pool. Each
+    block is used (ref_count > 0), cached (ref_count 0 but registered in the prefix cache: its
+    K/V reusable until evicted) or free, and moves between these in O(1)."""
 
     def __init__(self, name, num_blocks):
         self.name = name
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids = deque(range(num_blocks))   # nothing worth keeping inside
         self.cached_block_ids = OrderedDict()            # ref_count 0, registered; LRU order
+        self.hash_to_block_ids = {}   # its part of the prefix cache: chain hash -> blocks, ordered
         self.seqs = {}   # seq_id -> Sequence whose block table holds this pool's block ids
 
     @property
@@ -205,33 +201,41 @@ class Pool:
         return len(self.free_block_ids) + len(self.cached_block_ids)
 
 class BlockManager:
-    """Hands out the blocks of the device pool, which attention reads, and of a CPU pool that
-    holds swapped-out requests. Whoever writes K/V sets seq.num_computed_tokens and calls
-    cache_full_blocks(seq): later prompts find those blocks in the prefix cache."""
+    """Hands out the blocks of three tiers, fastest first: the device pool, which attention reads;
+    the host pool, which holds swapped-out requests and the cached blocks evicted from the device;
+    the disk pool, which holds the cached blocks evicted from the host. Whoever writes K/V sets
+    seq.num_computed_tokens and calls cache_full_blocks(seq): later prompts find those blocks in
+    the prefix cache. Every K/V copy it decides is queued in `copies`, for the engine to make."""
 
     def __init__(self, num_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=True,
-                 events=None):
-        check_pool_args(num_blocks, block_size, num_cpu_blocks)
+                 events=None, num_disk_blocks=0, cost=None):
+        check_pool_args(num_blocks, block_size, num_cpu_blocks, num_disk_blocks)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.num_cpu_blocks = num_cpu_blocks
+        self.num_cpu_blocks = num_cpu_blocks   # the host pool's size, by vLLM's name
         self.enable_prefix_caching = enable_prefix_caching
         self.events = events or EventLog()   # what happened, for the view and the debug log
-        self.device = Pool("device", num_blocks)
-        self.cpu = Pool("cpu", num_cpu_blocks)
-        # the prefix cache: chain hash -> the registered blocks under it, an ordered set
-        self.hash_to_block_ids = {}
+        self.cost = cost   # which tiers are worth loading from (section 8); None: all of them
+        self.tiers = [Pool("device", num_blocks), Pool("host", num_cpu_blocks),
+                      Pool("disk", num_disk_blocks)]
+        self.device, self.host, self.disk = self.tiers
+        # K/V copies to make before the model runs, in the order decided (a later one may
+        # overwrite what an earlier one reads): (src tier, src block, dst tier, dst block)
+        self.copies = deque()
         self.prefix_ids = itertools.count()
         # metrics, counted as they happen (vLLM's names where vLLM has one)
-        self.prefix_cache_queries = 0   # tokens looked up
-        self.prefix_cache_hits = 0      # tokens found
+        self.prefix_cache_queries = 0    # tokens looked up
+        self.prefix_cache_hits = 0       # tokens found, in any tier
+        self.tier_hits = Counter()       # tier -> tokens found there (the device's not counted)
         self.num_cow_copies = 0
-        self.num_evictions = 0
+        self.num_evictions = 0           # cached blocks dropped: their K/V lost to the cache
+        self.num_offloaded_blocks = 0    # cached blocks written down a tier
+        self.num_loaded_blocks = 0       # cached blocks read back up to the device
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
 
-    # -- the hash chain: h[i] = H(h[i-1], tokens of block i), so one dictionary look-up finds a
-    #    block that ends a given prefix. Hashes can collide; _cache_hits checks what they summarise.
+    # -- the hash chain: h[i] = H(h[i-1], tokens of block i), so one dictionary look-up per tier
+    #    finds a block that ends a given prefix. Hashes can collide; _cache_hits checks them.
 
     @staticmethod
     def compute_hash(parent_hash, token_ids):
@@ -248,50 +252,76 @@ class BlockManager:
             seq.block_hashes.append(self.compute_hash(parent_hash, self._tokens(seq, j)))
         return seq.block_hashes[i]
 
+    def _registered(self, tiers, h, tokens, parent_prefix_id):
+        """[(tier, block)]: the blocks of these tiers registered as the prefix (h, tokens) that
+        follows the prefix parent_prefix_id. A hash can collide and tokens say nothing of what
+        came before, but a prefix named by its parent's id and its own tokens is one prefix."""
+        found = [(t, t.blocks[b]) for t in tiers for b in t.hash_to_block_ids.get(h, ())]
+        return [(t, b) for t, b in found if (b.token_ids, b.parent_prefix_id) == (tokens,
+                                                                                  parent_prefix_id)]
+
     def _cache_hits(self, seq):
-        """The registered blocks that hold seq's prefix, found by one walk along its hash chain.
-        A hit needs the hash, the same tokens, and the same prefix before it: a hash can collide
-        and tokens say nothing of what came before, but by induction the whole prefix matches.
-        A prefix is named by a prefix_id, not by its block's id: block ids are reused after an
-        eviction, prefix ids never; two requests that computed one prefix in the same step hold
-        two copies of it, registered under one prefix_id."""
+        """[(tier, block)]: the registered blocks that hold seq's prefix, found by one walk along
+        its hash chain, each in whichever tier holds it: the device, or a tier below where
+        loading a block costs less than recomputing it. A prefix is named by a prefix_id, not by
+        a block id: block ids are reused after an eviction, prefix ids never. Copies of a prefix
+        (computed by two requests in one step, or written down and computed again) share one."""
         hits = []
         prefix_id = None   # the prefix matched so far (None: nothing yet)
+        tiers = [t for t in self.tiers if self._worth_loading(t)]
         # the last token is always computed (its logits are needed): its block cannot hit
         num_hittable = (len(seq) - 1) // self.block_size if self.enable_prefix_caching else 0
         for i in range(num_hittable):
-            tokens = self._tokens(seq, i)
-            bucket = self.hash_to_block_ids.get(self._block_hash(seq, i), ())
-            same = [self.device.blocks[b] for b in bucket]
-            same = [b for b in same if b.token_ids == tokens and b.parent_prefix_id == prefix_id]
+            same = self._registered(tiers, self._block_hash(seq, i), self._tokens(seq, i),
+                                    prefix_id)
             if not same:
                 break   # a chain: after the first miss no later block can be this prefix's
-            block = max(same, key=lambda b: b.ref_count > 0)   # a held copy costs no free block
-            hits.append(block)
-            prefix_id = block.prefix_id
+            hit = max(same, key=lambda tb: tb[1].ref_count > 0)   # held: it costs no free block
+            hits.append(hit)
+            prefix_id = hit[1].prefix_id
         return hits
 
-    # -- taking and returning single blocks, in either pool
+    def _worth_loading(self, tier):   # the cost rule (section 8); the device always is
+        return tier is self.device or self.cost is None or self.cost.worth_loading(tier.name)
+
+    # -- taking and returning single blocks, in any tier
 
     @property
     def num_free_blocks(self):
         return self.device.num_free_blocks
 
-    def _take_block(self, pool, seq):
-        if pool.free_block_ids:
-            block = pool.blocks[pool.free_block_ids.popleft()]
-        else:   # evict the cached block freed longest ago: its K/V are lost to the prefix cache
+    def _free_block(self, pool):
+        """A free block of pool. With none free, the cached block freed longest ago is evicted:
+        written down to the next tier below with room (and worth loading from), where it stays
+        in the prefix cache, the most recently used there; dropped where there is none."""
+        if not pool.free_block_ids:
             block = pool.blocks[pool.cached_block_ids.popitem(last=False)[0]]
-            self._unregister(block)
-            self.num_evictions += 1
-            self.events.record("evict", [], [block.block_id])
+            lower = self.tiers[self.tiers.index(pool) + 1:]
+            below = next((t for t in lower if t.num_free_blocks and self._worth_loading(t)), None)
+            if below is not None:
+                dst = self._free_block(below)
+                self.copies.append((pool.name, block.block_id, below.name, dst.block_id))
+                self._register(below, dst, block.entry)   # after its copy is queued (section 9)
+                below.cached_block_ids[dst.block_id] = None
+                self.num_offloaded_blocks += 1
+                self.events.record("write down", [], [block.block_id], [dst.block_id],
+                                   below.name, pool.name)
+            else:   # its K/V are lost to the prefix cache
+                self.num_evictions += 1
+                self.events.record("evict", [], [block.block_id], tier=pool.name)
+            self._unregister(pool, block)
+            pool.free_block_ids.append(block.block_id)
+        return pool.blocks[pool.free_block_ids.popleft()]
+
+    def _take_block(self, pool, seq):
+        block = self._free_block(pool)
         block.ref_count = 1
         self.events.record_ref(pool, "allocate", seq, block)
         return block.block_id
 
     def _hold(self, pool, block, seq):
-        if block.ref_count == 0:   # a cached block comes back to life
-            del pool.cached_block_ids[block.block_id]
+        if block.ref_count == 0:   # a cached block comes back to life (a block just taken is
+            pool.cached_block_ids.pop(block.block_id, None)   # in no list)
         block.ref_count += 1
         self.events.record_ref(pool, "ref+1", seq, block)
 
@@ -304,6 +334,18 @@ class BlockManager:
         elif block.ref_count == 0:
             pool.free_block_ids.append(block.block_id)
             self.events.record_ref(pool, "free", seq, block)
+
+    def _load(self, pool, block, seq):
+        """Move a cached block of a lower tier, which seq holds, up into a device block of seq's:
+        its K/V are copied up, its place in the prefix cache goes with them. Returns that id."""
+        block_id = self._take_block(self.device, seq)
+        self.copies.append((pool.name, block.block_id, "device", block_id))
+        self._register(self.device, self.device.blocks[block_id], block.entry)
+        self._unregister(pool, block)
+        self._release(pool, block, seq)   # free: it no longer holds a prefix
+        self.num_loaded_blocks += 1
+        self.tier_hits[pool.name] += self.block_size
+        return block_id
 
     # -- whole sequences
 
@@ -323,9 +365,10 @@ class BlockManager:
 
     def can_allocate(self, seq, watermark=0, siblings=()):
         """Would allocating seq, then forking each sibling from it, leave `watermark` blocks free?
-        A hit on a cached (unheld) block takes one from the free count too; on a held one, none."""
+        A hit on a held device block takes none from the free count; any other hit one (a cached
+        device block comes back to life; a block below is loaded into a fresh one)."""
         hits = self._cache_hits(seq)
-        need = self._num_blocks_for(len(seq)) - sum(b.ref_count > 0 for b in hits)
+        need = self._num_blocks_for(len(seq)) - sum(b.ref_count > 0 for _, b in hits)
         for s in siblings:
             need += self._num_blocks_for(len(s)) - self.num_shared(seq, s)
         return self.num_free_blocks - need >= watermark
@@ -333,11 +376,16 @@ class BlockManager:
     def allocate(self, seq):
         assert not seq.block_table, f"seq {seq.seq_id} already holds blocks"
         hits = self._cache_hits(seq)
-        for block in hits:
-            self._hold(self.device, block, seq)
-        seq.block_table = [b.block_id for b in hits]
+        for pool, block in hits:   # held first: no block taken below can evict one of them
+            self._hold(pool, block, seq)
+        seq.block_table = [b.block_id if pool is self.device else self._load(pool, b, seq)
+                           for pool, b in hits]
         self._take_blocks_for_all_tokens(seq)
         seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
+        for tier in self.tiers[1:]:
+            loads = [(b.block_id, d) for (t, b), d in zip(hits, seq.block_table) if t is tier]
+            if loads:
+                self.events.record("load", [seq.seq_id], *zip(*loads), tier=tier.name)
         if hits:
             self.events.record("prefix hit", [seq.seq_id], seq.block_table[:len(hits)],
                                note=seq.num_cached_tokens)
@@ -366,6 +414,7 @@ class BlockManager:
         elif self._needs_copy(seq):   # shared and partly filled: this writer gets its own copy
             src = self.device.blocks[seq.block_table[-1]]
             dst = self._take_block(self.device, seq)
+            self.copies.append(("device", src.block_id, "device", dst))
             self._release(self.device, src, seq)
             seq.block_table[-1] = dst
             self.num_cow_copies += 1
@@ -392,7 +441,7 @@ class BlockManager:
     def free(self, seq):
         """Drop seq's hold on its blocks, in whichever pool its table points into, tail first: the
         tail is then evicted before the prefix, which other requests are likelier to share."""
-        pool = self.cpu if seq.seq_id in self.cpu.seqs else self.device
+        pool = self.host if seq.seq_id in self.host.seqs else self.device
         for block_id in reversed(seq.block_table):
             self._release(pool, pool.blocks[block_id], seq)
         pool.seqs.pop(seq.seq_id, None)
@@ -413,34 +462,32 @@ class BlockManager:
             start -= 1
         for i in range(start, end):
             block = self.device.blocks[seq.block_table[i]]
-            block.hash = self._block_hash(seq, i)
-            block.token_ids = self._tokens(seq, i)
             parent = self.device.blocks[seq.block_table[i - 1]] if i else None
-            block.parent_prefix_id = parent.prefix_id if parent else None
-            bucket = self.hash_to_block_ids.setdefault(block.hash, {})
-            # a copy of a registered prefix (two requests computed it in one step, or a swapped-in
-            # copy beside its cached original) takes the original's prefix_id
-            key = (block.token_ids, block.parent_prefix_id)
-            twins = [self.device.blocks[b] for b in bucket]
-            twins = [b for b in twins if (b.token_ids, b.parent_prefix_id) == key]
-            block.prefix_id = twins[0].prefix_id if twins else next(self.prefix_ids)
-            bucket[block.block_id] = None
-            self.events.record("register", [seq.seq_id], [block.block_id], note=block.prefix_id)
+            key = (self._block_hash(seq, i), self._tokens(seq, i), parent.prefix_id if i else None)
+            # a copy of a registered prefix, in any tier, takes the original's prefix_id
+            twins = self._registered(self.tiers, *key)
+            prefix_id = twins[0][1].prefix_id if twins else next(self.prefix_ids)
+            self._register(self.device, block, (*key[:2], prefix_id, key[2]))
+            self.events.record("register", [seq.seq_id], [block.block_id], note=prefix_id)
 
-    def _unregister(self, block):
-        bucket = self.hash_to_block_ids[block.hash]
+    def _register(self, pool, block, entry):   # entry: see Block.entry
+        block.hash, block.token_ids, block.prefix_id, block.parent_prefix_id = entry
+        pool.hash_to_block_ids.setdefault(block.hash, {})[block.block_id] = None
+
+    def _unregister(self, pool, block):
+        bucket = pool.hash_to_block_ids[block.hash]
         del bucket[block.block_id]
         if not bucket:
-            del self.hash_to_block_ids[block.hash]
+            del pool.hash_to_block_ids[block.hash]
         block.hash = block.prefix_id = block.parent_prefix_id = None
         block.token_ids = ()
 
-    # -- swapping: a request's sequences move between the pools together, each distinct block
-    #    once, so that the blocks they share stay shared
+    # -- swapping: a request's sequences move between the device and the host together, each
+    #    distinct block once, so that the blocks they share stay shared
 
     def can_swap_out(self, *seqs):
         distinct = {b for s in seqs for b in s.block_table}
-        return len(distinct) <= self.cpu.num_free_blocks
+        return len(distinct) <= self.host.num_free_blocks   # cached host blocks go down to disk
 
     def can_swap_in(self, *seqs, watermark=0):
         """Room for the sequences' distinct blocks and for what their next step writes: a new
@@ -450,36 +497,35 @@ class BlockManager:
         distinct = {b for s in seqs for b in s.block_table}
         new = sum(self._needs_new_block(s) for s in writers)
         last = [s.block_table[-1] for s in writers if not self._needs_new_block(s)]
-        copies = sum(min(last.count(b), self.cpu.blocks[b].ref_count - 1) for b in set(last))
+        copies = sum(min(last.count(b), self.host.blocks[b].ref_count - 1) for b in set(last))
         return self.num_free_blocks - len(distinct) - new - copies >= watermark
 
     def swap_out(self, *seqs):
-        """Move seqs to the CPU pool. Returns [(device_block, cpu_block)] for the engine to copy."""
-        pairs = self._move(seqs, self.device, self.cpu)
+        """Move seqs to the host pool. Returns [(device_block, host_block)], queued in copies."""
+        pairs = self._move(seqs, self.device, self.host, "swap out")
         self.num_swapped_out_blocks += len(pairs)
-        self.events.record("swap out", [s.seq_id for s in seqs], *zip(*pairs))
         return pairs
 
     def swap_in(self, *seqs):
-        """Move seqs back to the device pool. Returns [(cpu_block, device_block)]."""
-        pairs = self._move(seqs, self.cpu, self.device)
+        """Move seqs back to the device pool. Returns [(host_block, device_block)]."""
+        pairs = self._move(seqs, self.host, self.device, "swap in")
         self.num_swapped_in_blocks += len(pairs)
-        self.events.record("swap in", [s.seq_id for s in seqs], *zip(*pairs))
         return pairs
 
-    def _move(self, seqs, src, dst):
+    def _move(self, seqs, src, dst, kind):
         """Repoint seqs' block tables from pool src to pool dst: each distinct block gets one
         block of dst, which every table that held it holds. Tail first, as in free()."""
         mapping = {}   # block id in src -> block id in dst
+        for block_id in (b for seq in seqs for b in reversed(seq.block_table)):
+            if block_id not in mapping:   # all taken before any is let go: none taken twice
+                mapping[block_id] = self._free_block(dst).block_id
+                self.copies.append((src.name, block_id, dst.name, mapping[block_id]))
+        self.events.record(kind, [s.seq_id for s in seqs], *zip(*mapping.items()))
         for seq in seqs:
             for i in reversed(range(len(seq.block_table))):
-                block_id = seq.block_table[i]
-                if block_id in mapping:
-                    self._hold(dst, dst.blocks[mapping[block_id]], seq)
-                else:
-                    mapping[block_id] = self._take_block(dst, seq)
-                self._release(src, src.blocks[block_id], seq)
-                seq.block_table[i] = mapping[block_id]
+                self._hold(dst, dst.blocks[mapping[seq.block_table[i]]], seq)
+                self._release(src, src.blocks[seq.block_table[i]], seq)
+                seq.block_table[i] = mapping[seq.block_table[i]]
             dst.seqs[seq.seq_id] = src.seqs.pop(seq.seq_id)
         return list(mapping.items())
 
@@ -487,15 +533,6 @@ class BlockManager:
 
     def num_used_blocks(self):
         return self.num_blocks - self.num_free_blocks
-
-    def num_stored_tokens(self):
-        """Distinct token slots holding K/V in used blocks: a shared block counts once."""
-        filled = {}
-        for seq in self.device.seqs.values():
-            for i, block_id in enumerate(seq.block_table):
-                n = min(self.block_size, max(0, seq.num_written_tokens - i * self.block_size))
-                filled[block_id] = max(filled.get(block_id, 0), n)
-        return sum(filled.values())
 
     def check_invariants(self):
         check_block_manager(self)   # (section 6)
@@ -510,9 +547,6 @@ ScheduledSeq = namedtuple("ScheduledSeq", "request seq num_new_tokens")
 class ScheduledBatch:
     budget: int                                   # max_num_batched_tokens
     entries: list = field(default_factory=list)   # ScheduledSeq of each sequence that runs
-    # block copies to make before the model runs, in the order decided (a later one may overwrite
-    # what an earlier one reads): ("copy", src, dst), ("swap out", dev, cpu), ("swap in", cpu, dev)
-    block_copies: list = field(default_factory=list)
 
     @property
     def num_tokens(self):
@@ -535,19 +569,18 @@ class Scheduler:
     (schedule() tells the order); a sequence short of a block preempts the newest request."""
 
     def __init__(self, block_manager, max_num_seqs=256, max_num_batched_tokens=2048,
-                 watermark=0.01, eos_token_ids=(), preemption_mode="auto", cost=None):
+                 watermark=0.01, eos_token_ids=(), preemption_mode="auto"):
         self.block_manager = block_manager   # (LLM checks the arguments, before the model loads)
         self.events = block_manager.events   # one log for the pool and the schedule
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
-        self.cost = cost   # what 'auto' weighs (section 8); None when there is no CPU pool
         # admitting a prompt leaves this many blocks free, so the next decodes need not preempt
         self.watermark_blocks = int(watermark * block_manager.num_blocks)
         self.waiting = deque()     # requests, FCFS; requests preempted by recompute go in front
         self.running = []          # requests in arrival order (request_id)
-        self.swapped = []          # requests on the CPU pool, in arrival order
+        self.swapped = []          # requests on the host pool, in arrival order
         self.num_preemptions = 0   # requests preempted (all their sequences at once), either way
 
     def add(self, request):
@@ -576,9 +609,7 @@ class Scheduler:
         return not behind_leader and len(seq) > seq.num_computed_tokens
 
     def _schedule_seq(self, request, seq, batch):
-        copy = self.block_manager.append_slot(seq)
-        if copy is not None:
-            batch.block_copies.append(("copy", *copy))
+        self.block_manager.append_slot(seq)   # its copy-on-write, if any, is queued in bm.copies
         batch.add(request, seq)
 
     def _make_room(self, request, seq, batch):
@@ -615,7 +646,7 @@ class Scheduler:
             if not self._fits(request) or not room:
                 break
             self.swapped.pop(0)
-            batch.block_copies += [("swap in", *pair) for pair in bm.swap_in(*request.seqs)]
+            bm.swap_in(*request.seqs)
             self._start_running(request)
             for seq in request.seqs:
                 if self._ready(seq) and not batch.is_full:
@@ -652,15 +683,15 @@ class Scheduler:
                 batch.add(request, seq)
 
     def _choose_mode(self, request):
-        room = self.block_manager.can_swap_out(*request.seqs)
-        if self.preemption_mode == "recompute" or not room:
-            return "recompute"   # (no room in the CPU pool for its blocks: recompute)
-        if self.preemption_mode == "swap" or self.cost is None:
+        bm = self.block_manager
+        if self.preemption_mode == "recompute" or not bm.can_swap_out(*request.seqs):
+            return "recompute"   # (no room in the host pool for its blocks: recompute)
+        if self.preemption_mode == "swap" or bm.cost is None:
             return "swap"
-        return self.cost.cheaper_mode(self.block_manager, request)   # auto (section 8)
+        return bm.cost.cheaper_mode(bm, request)   # auto: the cost rule (section 8)
 
     def preempt(self, request, batch, mode=None):
-        """Take a running request's blocks back, all at once: swapped to the CPU pool, to resume
+        """Take a running request's blocks back, all at once: swapped to the host pool, to resume
         where it was, or freed (the prefix cache may keep much), to be recomputed, in front."""
         mode = mode or self._choose_mode(request)
         held = sorted({b for s in request.seqs for b in s.block_table})
@@ -668,8 +699,7 @@ class Scheduler:
         self.running.remove(request)
         batch.remove(request)
         if mode == "swap":
-            pairs = self.block_manager.swap_out(*request.seqs)
-            batch.block_copies += [("swap out", *pair) for pair in pairs]
+            self.block_manager.swap_out(*request.seqs)
             request.status = RequestStatus.SWAPPED
             bisect.insort(self.swapped, request, key=lambda r: r.request_id)
         else:
@@ -741,13 +771,11 @@ class LLM:
     generate() adds requests and runs step() (one batch through the model) until they finish."""
 
     def __init__(self, model=None, device=None, dtype=None, block_size=16, num_blocks=None,
-                 num_cpu_blocks=0, enable_prefix_caching=True, max_num_seqs=256,
-                 max_num_batched_tokens=2048, max_model_len=None, preemption_mode="auto", seed=0,
-                 swap_space=None, debug_blocks=False):
+                 num_cpu_blocks=0, num_disk_blocks=0, disk_path=None, enable_prefix_caching=True,
+                 max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=None,
+                 preemption_mode="auto", seed=0, swap_space=None, debug_blocks=False):
         # the arguments are checked before the model loads, which takes seconds (section 5)
-        check_engine_args(model, device, dtype, block_size, num_blocks, num_cpu_blocks,
-                          enable_prefix_caching, max_num_seqs, max_num_batched_tokens,
-                          max_model_len, preemption_mode, seed, swap_space, debug_blocks)
+        check_engine_args(**{k: v for k, v in locals().items() if k != "self"})
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         cuda = self.device.type == "cuda"
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -766,23 +794,26 @@ class LLM:
         swap_bytes = (swap_space or 0) * (1 << 30)   # swap_space: GiB of host memory
         num_cpu_blocks = num_cpu_blocks or int(swap_bytes // bytes_per_block)
         check_loaded_model(self, max_model_len, preemption_mode, num_cpu_blocks, swap_space,
-                           bytes_per_block)
+                           num_disk_blocks, disk_path, bytes_per_block)
         # (2, num_layers, num_blocks, block_size, kv_heads, head_dim): K and V of every block
         shape = (2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        # the CPU tier: the same block shape in host memory, pinned on CUDA for async copies
-        # (2, num_layers, num_cpu_blocks, block_size, kv_heads, head_dim)
-        cpu_shape = shape[:2] + (num_cpu_blocks,) + shape[3:]
-        self.cpu_cache = torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=cuda)
+        # the tiers below, of the same block shape: host memory (pinned on CUDA, for fast
+        # copies) and a file on disk, mapped into memory; (2, num_layers, n, block_size, ...)
+        host_shape, disk_shape = (shape[:2] + (n,) + shape[3:]
+                                  for n in (num_cpu_blocks, num_disk_blocks))
+        self.kv_caches = {"device": self.kv_cache,
+                          "host": torch.zeros(host_shape, dtype=self.dtype, pin_memory=cuda),
+                          "disk": open_disk_pool(self, disk_path, disk_shape)}
+        # callables that get every step's StepReport: the view, the debug log, the cost rule
+        self.on_step = []
+        cost = CostModel.measure(self, block_size)   # each tier's copy, timed now (section 8)
         self.events = EventLog(debug=debug_blocks)
         self.block_manager = BlockManager(num_blocks, block_size, num_cpu_blocks,
-                                          enable_prefix_caching, self.events)
-        # callables that get every step's StepReport: the view, the debug log, the auto cost
-        self.on_step = []
-        cost = PreemptionCost.measure(self, bytes_per_block) if num_cpu_blocks else None
+                                          enable_prefix_caching, self.events, num_disk_blocks,
+                                          cost)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
-                                   eos_token_ids=eos_token_ids, preemption_mode=preemption_mode,
-                                   cost=cost)
+                                   eos_token_ids=eos_token_ids, preemption_mode=preemption_mode)
         if debug_blocks:
             self.on_step.append(print_debug_log)
         self.seed = seed
@@ -885,8 +916,8 @@ class LLM:
     def _step(self):
         batch = self.scheduler.schedule()
         assert batch.entries, "the scheduler found nothing to run: a request outgrew its bound"
-        # 1. block copies, in the order the scheduler decided them, before anybody writes a block
-        self.copy_blocks(batch.block_copies)
+        # 1. the block copies scheduling queued (copy-on-write, swaps, tiers), before any K/V write
+        self.copy_blocks()
         # 2. the batch as tensors (model.Batch), and the sequences whose logits are sampled
         model_batch, to_sample = self._prepare(batch)
         # 3. the model writes every new token's K/V into its slot and returns logits to sample
@@ -899,7 +930,7 @@ class LLM:
                 seq.logprobs = row.log_softmax(-1)
             else:
                 samples = [seq.index] if request.past_first_token else range(request.params.n)
-                sampled[seq] = [self._sample(row, request, i) for i in samples]
+                sampled[seq] = [sample(row, request, i) for i in samples]
         # 5. metrics, then the scheduler advances the sequences
         for _, seq, num_new in batch.entries:   # prefill: the positions before prefill_until
             start = seq.num_computed_tokens
@@ -913,15 +944,15 @@ class LLM:
                 self.num_generated_tokens += beam_round(self.scheduler, request)
         return batch
 
-    def copy_blocks(self, block_copies):
-        """Make a batch's block copies, in order: each moves one block's K and V in all layers."""
-        for kind, src, dst in block_copies:
-            if kind == "copy":        # copy-on-write inside the device pool
-                self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
-            elif kind == "swap out":  # device -> pinned host memory; the CUDA stream keeps order
-                self.cpu_cache[:, :, dst].copy_(self.kv_cache[:, :, src], non_blocking=True)
-            else:                     # swap in: host -> device
-                self.kv_cache[:, :, dst].copy_(self.cpu_cache[:, :, src], non_blocking=True)
+    def copy_blocks(self):
+        """Make the block manager's queued copies in order, each one block's K and V in all
+        layers, between any two tiers. Blocking: a host block written from the device may be
+        read for the disk in the same step. A copy leaves the queue once made (section 9)."""
+        copies = self.block_manager.copies
+        while copies:
+            src_tier, src, dst_tier, dst = copies[0]
+            self.kv_caches[dst_tier][:, :, dst].copy_(self.kv_caches[src_tier][:, :, src])
+            copies.popleft()
 
     def _prepare(self, batch):
         """ScheduledBatch -> (model.Batch, to_sample: [(request, seq)]). Shapes: see model.Batch."""
@@ -955,24 +986,6 @@ class LLM:
                             max_query_len=max(e.num_new_tokens for e in batch.entries),
                             max_context_len=max(context_lens))
         return model_batch, to_sample
-
-    @staticmethod
-    def _sample(logits, request, i):
-        """One token for sample i of request. logits: (vocab,) float32 on the CPU."""
-        params = request.params
-        if params.temperature == 0:
-            return int(logits.argmax())
-        logits = logits / params.temperature
-        if params.top_k:
-            kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if params.top_p < 1:
-            sorted_logits, order = logits.sort(descending=True)
-            probs = sorted_logits.softmax(-1)
-            drop = probs.cumsum(-1) - probs >= params.top_p   # the tokens after top_p is reached
-            drop = torch.zeros_like(drop).scatter(0, order, drop)   # back in vocabulary order
-            logits = logits.masked_fill(drop, float("-inf"))
-        return int(torch.multinomial(logits.softmax(-1), 1, generator=request.generators[i]))
 
     def stats(self):
         return engine_stats(self)   # (section 7)
@@ -1023,16 +1036,22 @@ def check_beam_search_params(p):
             f"length_penalty must be a number in [-{bound}, {bound}], got {lp!r}")
     require_bool("ignore_eos", p.ignore_eos)
 
-def check_pool_args(num_blocks, block_size, num_cpu_blocks):
+def check_pool_args(num_blocks, block_size, num_cpu_blocks, num_disk_blocks=0):
     require(is_int(block_size) and block_size >= 1 and not block_size & (block_size - 1),
             f"block_size must be a positive power of two (1, 2, 4, ... 16 ...), got {block_size!r}")
     require_int("num_blocks", num_blocks, 1)
     require_int("num_cpu_blocks", num_cpu_blocks, 0)
+    require_int("num_disk_blocks", num_disk_blocks, 0)
 
 def check_engine_args(model, device, dtype, block_size, num_blocks, num_cpu_blocks,
-                      enable_prefix_caching, max_num_seqs, max_num_batched_tokens, max_model_len,
-                      preemption_mode, seed, swap_space, debug_blocks):
-    check_pool_args(1 if num_blocks is None else num_blocks, block_size, num_cpu_blocks)
+                      num_disk_blocks, disk_path, enable_prefix_caching, max_num_seqs,
+                      max_num_batched_tokens, max_model_len, preemption_mode, seed, swap_space,
+                      debug_blocks):
+    check_pool_args(1 if num_blocks is None else num_blocks, block_size, num_cpu_blocks,
+                    num_disk_blocks)
+    folder = os.path.dirname(os.path.abspath(disk_path)) if isinstance(disk_path, str) else ""
+    require(disk_path is None or (os.path.isdir(folder) and not os.path.isdir(disk_path)),
+            f"disk_path must be None (a temporary file) or a file in a folder, got {disk_path!r}")
     require(model is None or isinstance(model, str),
             f"model must be None, a directory or 'random:<preset>', got {model!r}")
     name = str(device)   # a string or a torch.device
@@ -1055,7 +1074,7 @@ def check_engine_args(model, device, dtype, block_size, num_blocks, num_cpu_bloc
             f"swap_space must be None or a number of GiB >= 0, got {swap_space!r}")
     require_memory((swap_space or 0) * (1 << 30), f"swap_space {swap_space} GiB exceeds")
     require(preemption_mode != "swap" or num_cpu_blocks or swap_space,
-            "preemption_mode='swap' needs a CPU pool: num_cpu_blocks > 0 or swap_space (GiB)")
+            "preemption_mode='swap' needs a host pool: num_cpu_blocks > 0 or swap_space (GiB)")
     check_seed(seed)
     require_bool("debug_blocks", debug_blocks)
 
@@ -1067,10 +1086,14 @@ def require_memory(num_bytes, what):   # refused as "<what> this machine's memor
     require(num_bytes <= ram, f"{what} this machine's memory ({ram >> 30} GiB)")
 
 def check_loaded_model(llm, max_model_len, preemption_mode, num_cpu_blocks, swap_space,
-                       bytes_per_block):
+                       num_disk_blocks, disk_path, bytes_per_block):
     """What can only be checked once the model is known: its length, its block size in bytes."""
     require_memory(num_cpu_blocks * bytes_per_block,
                    f"num_cpu_blocks {num_cpu_blocks} of {bytes_per_block} bytes exceed")
+    folder = os.path.dirname(os.path.abspath(disk_path or tempfile.gettempdir() + "/"))
+    free = shutil.disk_usage(folder).free
+    require(num_disk_blocks * bytes_per_block <= free, f"num_disk_blocks {num_disk_blocks} of "
+            f"{bytes_per_block} bytes exceed the {free >> 20} MiB free in {folder}")
     longest = llm.model.config.max_position_embeddings
     require(llm.max_model_len <= longest,
             f"max_model_len {max_model_len} exceeds the model's {longest}")
@@ -1125,7 +1148,8 @@ def validate_request(llm, token_ids, params):
 # 6. Invariant checks: the block manager's rules, asserted (the tests call them after every step)
 
 def check_block_manager(bm):   # BlockManager.check_invariants: each rule, asserted by name
-    for pool in (bm.device, bm.cpu):
+    prefixes = {}   # prefix_id -> (hash, tokens, parent's prefix_id), as registered in any tier
+    for pool in bm.tiers:
         held = Counter(b for seq in pool.seqs.values() for b in seq.block_table)
         wrong = [b.block_id for b in pool.blocks if b.ref_count != held[b.block_id]]
         assert not wrong, f"ref_count: {pool.name} blocks {wrong}: not the number of tables holding"
@@ -1136,15 +1160,21 @@ def check_block_manager(bm):   # BlockManager.check_invariants: each rule, asser
         for b in pool.blocks:   # of the blocks nobody holds, the cached ones, and only they, hash
             assert b.ref_count or (b.hash is not None) == (b.block_id in pool.cached_block_ids), \
                 f"cached: {pool.name} block {b.block_id} is cached without a hash, or free with one"
-    assert not set(bm.device.seqs) & set(bm.cpu.seqs), "partition: a seq is in both pools"
-    assert not any(b.hash is not None for b in bm.cpu.blocks), "hash map: a cpu block has a hash"
+            assert pool is bm.device or b.hash is None or not b.ref_count, \
+                f"hash map: {pool.name} block {b.block_id} is held (swapped) and registered"
+        for h, bucket in pool.hash_to_block_ids.items():
+            assert bucket and all(pool.blocks[b].hash == h for b in bucket), \
+                f"hash map: {pool.name}: {h} lists another's block"
+        registered = [b for b in pool.blocks if b.hash is not None]
+        assert len(registered) == sum(map(len, pool.hash_to_block_ids.values())), \
+            f"hash map: a {pool.name} block carries a hash the map does not know"
+        for b in registered:   # copies of one prefix, in any tier, are one prefix
+            prefix = prefixes.setdefault(b.prefix_id, (b.hash, b.token_ids, b.parent_prefix_id))
+            assert prefix == (b.hash, b.token_ids, b.parent_prefix_id), \
+                f"hash map: prefix {b.prefix_id} names two prefixes ({pool.name} {b.block_id})"
+    seq_ids = [s for pool in bm.tiers for s in pool.seqs]
+    assert len(seq_ids) == len(set(seq_ids)), "partition: a seq's table points into two tiers"
     blocks = bm.device.blocks
-    for h, bucket in bm.hash_to_block_ids.items():
-        assert bucket and all(blocks[b].hash == h for b in bucket), \
-            f"hash map: {h} lists another's block"
-    registered = sum(map(len, bm.hash_to_block_ids.values()))
-    assert sum(b.hash is not None for b in blocks) == registered, \
-        "hash map: a block carries a hash the map does not know"
     for seq in bm.device.seqs.values():   # a registered block holds the prefix of all its holders
         for i, block_id in enumerate(seq.block_table):
             block = blocks[block_id]
@@ -1154,7 +1184,7 @@ def check_block_manager(bm):   # BlockManager.check_invariants: each rule, asser
             assert block.hash is None or (block.token_ids, block.hash, block.parent_prefix_id) == (
                 bm._tokens(seq, i), bm._block_hash(seq, i), parent.prefix_id if parent else None), \
                 f"hash map: seq {seq.seq_id} block {i} ({block_id}) is another prefix's"
-    for seq in [*bm.device.seqs.values(), *bm.cpu.seqs.values()]:
+    for seq in [s for pool in bm.tiers for s in pool.seqs.values()]:
         sizes = (bm._num_blocks_for(len(seq)), bm._num_blocks_for(len(seq) - 1))
         assert len(seq.block_table) in sizes, \
             f"block table: seq {seq.seq_id}: {len(seq.block_table)} blocks, {len(seq)} tokens"
@@ -1171,13 +1201,15 @@ EVENT_WORDS = {   # the plain words of each kind of event, for the debug log and
     "prefix hit": "seq {seqs} finds blocks {blocks} in the prefix cache ({note} tokens)",
     "fork": "seq {seqs} forks from seq {note}: blocks {blocks} shared",
     "copy": "seq {seqs} copies shared block {blocks} to block {to} before writing (copy-on-write)",
-    "evict": "block {blocks} is evicted from the prefix cache (cached, held by nobody)",
-    "swap out": "seq {seqs} swapped out: blocks {blocks} to cpu blocks {to}",
-    "swap in": "seq {seqs} swapped in: cpu blocks {blocks} to blocks {to}",
+    "evict": "{tier} block {blocks} is evicted from the prefix cache (cached, held by nobody)",
+    "write down": "block {blocks} written down to {note} block {to} (evicted from the {tier})",
+    "load": "seq {seqs} finds blocks {blocks} in the {tier} tier: loaded into blocks {to}",
+    "swap out": "seq {seqs} swapped out: blocks {blocks} to host blocks {to}",
+    "swap in": "seq {seqs} swapped in: host blocks {blocks} to blocks {to}",
     "preempt": "seq {seqs} preempted by {note}: blocks {blocks} taken back",
     "finish": "seq {seqs} finishes ({note}): blocks {blocks} released",
     "watermark": "seq {seqs} waits: it fits, but the watermark keeps {note} free for decodes",
-    # the debug log's kinds (debug_blocks=True): every single ref-count change, in either pool
+    # the debug log's kinds (debug_blocks=True): every single ref-count change, in any tier
     "allocate": "seq {seqs} takes free block {blocks} ({note})",
     "ref+1": "seq {seqs} holds block {blocks} ({note})",
     "ref-1": "seq {seqs} lets go of block {blocks} ({note})",
@@ -1192,13 +1224,14 @@ class Event:
     step: int
     kind: str                # a key of EVENT_WORDS
     seq_ids: tuple = ()
-    block_ids: tuple = ()    # the blocks it acts on (device blocks; cpu blocks for a swap in)
-    to_ids: tuple = ()       # where they went: the copy's block, the other pool's blocks
-    note: str = ""           # a token count, a parent, a mode, a reason, a ref count
+    block_ids: tuple = ()    # the blocks it acts on, in tier (host blocks for a swap in)
+    to_ids: tuple = ()       # where they went: the copy's block, the other tier's blocks
+    note: str = ""           # a token count, a parent, a mode, a reason, a ref count, a tier
+    tier: str = "device"     # the tier of block_ids, for evictions, write-downs and loads
 
     def words(self):
         return EVENT_WORDS[self.kind].format(seqs=_ids(self.seq_ids), blocks=_ids(self.block_ids),
-                                             to=_ids(self.to_ids), note=self.note)
+                                             to=_ids(self.to_ids), note=self.note, tier=self.tier)
 
 @dataclass
 class EventLog:   # what the block manager and the scheduler did, taken after each step
@@ -1206,14 +1239,14 @@ class EventLog:   # what the block manager and the scheduler did, taken after ea
     step: int = 0         # the step the engine is in, stamped on each record
     records: list = field(default_factory=list)   # of Event
 
-    def record(self, kind, seq_ids=(), block_ids=(), to_ids=(), note=""):
+    def record(self, kind, seq_ids=(), block_ids=(), to_ids=(), note="", tier="device"):
         if self.debug or kind not in DEBUG_KINDS:
             self.records.append(Event(self.step, kind, tuple(seq_ids), tuple(block_ids),
-                                      tuple(to_ids), str(note)))
+                                      tuple(to_ids), str(note), tier))
 
     def record_ref(self, pool, kind, seq, block):   # a debug kind: a ref-count change
         if self.debug:   # (no string is made per ref-count change otherwise)
-            note = f"{pool.name} pool, ref {block.ref_count}"
+            note = f"{pool.name} tier, ref {block.ref_count}"
             self.record(kind, [seq.seq_id], [block.block_id], note=note)
 
     def take(self):
@@ -1225,43 +1258,67 @@ def engine_stats(llm):   # LLM.stats(): fractions and counts, named as vLLM name
     used = bm.num_used_blocks()
     return {
         "kv_cache_usage_perc": used / bm.num_blocks,   # cached blocks nobody holds are free
-        "token_occupancy_perc": bm.num_stored_tokens() / max(1, used * bm.block_size),
+        "token_occupancy_perc": num_stored_tokens(bm) / max(1, used * bm.block_size),
         "prefix_cache_queries": bm.prefix_cache_queries,   # in tokens
-        "prefix_cache_hits": bm.prefix_cache_hits,         # in tokens, never more than queried
+        "prefix_cache_hits": bm.prefix_cache_hits,         # in tokens, in any tier
         "prefix_cache_hit_rate": bm.prefix_cache_hits / max(1, bm.prefix_cache_queries),
+        "host_prefix_cache_hits": bm.tier_hits["host"],    # of those, the tokens loaded up
+        "disk_prefix_cache_hits": bm.tier_hits["disk"],
         "num_preemptions": llm.scheduler.num_preemptions,
         **{name: getattr(bm, name) for name in   # the block manager's counts, under their names
-           ("num_swapped_out_blocks", "num_swapped_in_blocks", "num_cow_copies", "num_evictions")},
+           ("num_swapped_out_blocks", "num_swapped_in_blocks", "num_cow_copies", "num_evictions",
+            "num_offloaded_blocks", "num_loaded_blocks")},
         "num_prefill_tokens_computed": llm.num_prefill_tokens_computed,
         "num_generated_tokens": llm.num_generated_tokens,
     }
+
+def num_stored_tokens(bm):   # distinct token slots holding K/V in used blocks: shared ones once
+    filled = {}
+    for seq in bm.device.seqs.values():
+        for i, block_id in enumerate(seq.block_table):
+            n = min(bm.block_size, max(0, seq.num_written_tokens - i * bm.block_size))
+            filled[block_id] = max(filled.get(block_id, 0), n)
+    return sum(filled.values())
 
 def print_debug_log(report):   # the debug log (debug_blocks=True): an on_step callback
     for e in report.events:
         print(f"step {e.step:5}  {e.kind:10}  {e.words()}", file=sys.stderr)
 
 # ----------------------------------------------------------------------------------------------
-# 8. preemption_mode='auto': swap or recompute, whichever costs less on this machine
+# 8. The cost rule: copy blocks, or recompute their tokens, whichever costs less here
+# Two choices trade a copy against a recompute: preemption_mode='auto' (swap a request to the host
+# and back, or recompute it) and the tiers (load a cached block from host or disk, or recompute
+# it; a tier not worth loading from is not written down to either). Both take one measured rule.
 
 @dataclass
-class PreemptionCost:
-    """A recompute costs tokens * seconds_per_token, the steps' average (an upper estimate: a step's
-    fixed cost is spread over its tokens); a swap, 2 * blocks * bytes_per_block / copy bandwidth."""
-    bytes_per_block: int
-    swap_bytes_per_second: float
+class CostModel:
+    """Recomputing costs tokens * seconds_per_token, the steps' average (an upper estimate: a
+    step's fixed cost is spread over its tokens); copying costs blocks * seconds_per_block of
+    the tier, timed when the engine starts. A swap copies each block twice, a load once."""
+    block_size: int
+    seconds_per_block: dict          # tier -> seconds to copy one block between it and the device
     seconds_per_token: float = 0.0   # 0 until the first step is measured
 
     @classmethod
-    def measure(cls, llm, bytes_per_block):
-        """Times a round trip of a few blocks now; observe (on_step) keeps seconds_per_token."""
-        probe = range(min(8, llm.kv_cache.shape[2], llm.cpu_cache.shape[2]))   # block ids
-        for _ in range(2):   # the first round warms up
-            t0 = time.perf_counter()
-            llm.copy_blocks([(kind, i, i) for kind in ("swap out", "swap in") for i in probe])
-            if llm.device.type == "cuda":
-                torch.cuda.synchronize(llm.device)
-            seconds = time.perf_counter() - t0
-        cost = cls(bytes_per_block, 2 * len(probe) * bytes_per_block / max(seconds, 1e-9))
+    def measure(cls, llm, block_size):
+        """Times copies of a few blocks down to each tier and back, the fastest of three rounds
+        (the first warms up; a busy machine slows some); observe (on_step) keeps the rest."""
+        device = llm.kv_caches["device"]
+        seconds = {"device": 0.0}
+        for tier in ("host", "disk"):
+            cache = llm.kv_caches[tier]
+            probe = range(min(8, device.shape[2], cache.shape[2]))   # block ids
+            rounds = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                for i in probe:
+                    cache[:, :, i].copy_(device[:, :, i])
+                    device[:, :, i].copy_(cache[:, :, i])
+                if device.is_cuda:
+                    torch.cuda.synchronize(device.device)
+                rounds.append(time.perf_counter() - t0)
+            seconds[tier] = min(rounds) / (2 * len(probe)) if probe else math.inf
+        cost = cls(block_size, seconds)
         llm.on_step.append(cost.observe)
         return cost
 
@@ -1270,21 +1327,37 @@ class PreemptionCost:
         per_token = report.seconds / report.batch.num_tokens
         self.seconds_per_token += weight * (per_token - self.seconds_per_token)
 
+    def worth_loading(self, tier):   # a block's copy up against recomputing its tokens
+        return self.seconds_per_block[tier] < self.block_size * self.seconds_per_token
+
     def cheaper_mode(self, bm, request):
         # what a recompute computes: the first sequence whole, the others past what they share
         leader = request.seqs[0]
         num_tokens = len(leader) + sum(len(s) - bm.block_size * bm.num_shared(leader, s)
                                        for s in request.seqs[1:])
         num_blocks = len({b for s in request.seqs for b in s.block_table})
-        swap_seconds = 2 * num_blocks * self.bytes_per_block / self.swap_bytes_per_second
+        swap_seconds = 2 * num_blocks * self.seconds_per_block["host"]
         return "swap" if swap_seconds < num_tokens * self.seconds_per_token else "recompute"
+
+def open_disk_pool(llm, path, shape):
+    """The disk tier's K/V: a file of this shape mapped into memory, so that a copy in or out is
+    the operating system's write or read (whose page cache may keep it in memory). With no path,
+    a temporary file, removed when the engine is."""
+    if not shape[2]:   # no disk tier
+        return torch.zeros(shape, dtype=llm.dtype)
+    if path is None:
+        fd, path = tempfile.mkstemp(prefix="nanopaged-", suffix=".kv")
+        os.close(fd)
+        weakref.finalize(llm, os.remove, path)
+    return torch.from_file(path, shared=True, size=math.prod(shape), dtype=llm.dtype).view(shape)
 
 # ----------------------------------------------------------------------------------------------
 # 9. Failure recovery: a step that raises (an error, Ctrl-C) is undone
 # LLM.step keeps an Undo (the engine's objects, the requests the step can touch, their random
 # streams) to put back if the step raises, all but K/V it may have half-written: every request
 # the pools held is recomputed. The prefix cache stays: a block is registered once its K/V are
-# written, unregistered before it is written again, so a recompute finds its full blocks there.
+# written (or their copy is queued), unregistered before it is written again, so a recompute
+# finds its full blocks there; a block whose queued copy was never made is dropped.
 
 def copy_state(obj):   # an object's attributes, its lists and deques copied: a step edits those
     return {k: copy.copy(v) if isinstance(v, (list, deque)) else v for k, v in vars(obj).items()}
@@ -1305,18 +1378,21 @@ class Undo:
     def restore(self):
         with interrupts_held():   # a Ctrl-C now waits until the engine is whole again
             sched, bm = self.llm.scheduler, self.llm.block_manager
-            registered = bm.hash_to_block_ids   # as the step left it: a block goes in last
+            unmade = {(tier, block_id) for _, _, tier, block_id in bm.copies}   # never copied to
             for obj, state in self.states:
                 vars(obj).update(state)
             for generator, state in self.random_states:
                 generator.set_state(state)
-            bm.hash_to_block_ids = {}
-            for pool in (bm.device, bm.cpu):   # nobody holds a block; the registered stay cached
+            bm.copies.clear()
+            for pool in bm.tiers:   # nobody holds a block; the registered stay cached
+                registered = pool.hash_to_block_ids   # as the step left it: a block goes in last
                 pool.free_block_ids, pool.cached_block_ids, pool.seqs = deque(), OrderedDict(), {}
+                pool.hash_to_block_ids = {}
                 for block in pool.blocks:
-                    if block.block_id in registered.get(block.hash, ()):   # whole: K/V written
+                    whole = (pool.name, block.block_id) not in unmade   # its K/V are in place
+                    if whole and block.block_id in registered.get(block.hash, ()):
                         block.ref_count = 0
-                        bm.hash_to_block_ids.setdefault(block.hash, {})[block.block_id] = None
+                        bm._register(pool, block, block.entry)
                         pool.cached_block_ids[block.block_id] = None   # LRU order: by id now
                     else:   # not registered, or half registered or half evicted as the step stopped
                         vars(block).update(vars(Block(block.block_id)))
@@ -1353,7 +1429,39 @@ def abort(llm, request_ids):   # drop a failed call's requests wherever they are
             request.status = RequestStatus.FINISHED
 
 # ----------------------------------------------------------------------------------------------
-# 10. Beam search: the beams of a request are forks of one another, on shared blocks
+# 10. Sampling, and beam search: the beams of a request are forks of one another, on shared blocks
+
+def sample(logits, request, i):
+    """One token for sample i of request. logits: (vocab,) float32 on the CPU."""
+    params = request.params
+    if params.temperature == 0:
+        return int(logits.argmax())
+    logits = logits / params.temperature
+    if params.top_k:
+        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1:
+        sorted_logits, order = logits.sort(descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= params.top_p   # the tokens after top_p is reached
+        drop = torch.zeros_like(drop).scatter(0, order, drop)   # back in vocabulary order
+        logits = logits.masked_fill(drop, float("-inf"))
+    return int(torch.multinomial(logits.softmax(-1), 1, generator=request.generators[i]))
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    beam_width: int
+    max_tokens: int = 16
+    length_penalty: float = 1.0   # score = cum_logprob / length ** length_penalty (beam_output)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        check_beam_search_params(self)
+
+    @property
+    def n(self):   # the most sequences the request holds at once: what the pool is sized by
+        return self.beam_width
+
 # Each round every live beam offers its 2 * beam_width likeliest next tokens (vLLM's rule); an eos
 # candidate completes a hypothesis, the beam_width best others live on: a beam chosen twice forks
 # (ref_count + 1, no copy), one not chosen is freed, and the beams' common prefix stays shared.
@@ -1495,7 +1603,7 @@ class View:
         the events take the rows left: this step's that fit, a count of the rest, then older."""
         width = self.console.width
         top = self.metrics(report, width) + self.batch(report.batch, width)
-        top += self.pools(width, max(2, (height - 14) // 3) if height else 1 << 30)
+        top += self.pools(width, max(3, (height - 14) * 2 // 3) if height else 1 << 30)
         story = [wrapped(f"{e.step:>5}  {e.words()}", width, indent=7) for e in events]
         if height is None:
             return Group(*top, *self.sequences(width, 1 << 30), *itertools.chain(*story))
@@ -1525,6 +1633,10 @@ class View:
         second = (f"preemptions {s['num_preemptions']} | swapped out {s['num_swapped_out_blocks']}"
                   f" in {s['num_swapped_in_blocks']} | copies {s['num_cow_copies']} | "
                   f"evictions {s['num_evictions']}")
+        if len(bm.host.blocks) + len(bm.disk.blocks):   # the tiers below: their traffic
+            second += (f" | written down {s['num_offloaded_blocks']} | loaded "
+                       f"{s['num_loaded_blocks']} (host {s['host_prefix_cache_hits']} tokens, "
+                       f"disk {s['disk_prefix_cache_hits']})")
         return wrapped(first, width) + wrapped(second, width)
 
     def batch(self, batch, width):   # prefill chunks beside decodes (postprocess: seqs past them)
@@ -1557,12 +1669,12 @@ class View:
                              f"bold {hue}" if b.ref_count > 1 else hue)
         return cells
 
-    def pools(self, width, max_rows):   # each pool's rows of cells, then the key to every symbol
-        bm = self.llm.block_manager
+    def pools(self, width, max_rows):   # each tier's rows of cells, then the key to every symbol
+        tiers = [pool for pool in self.llm.block_manager.tiers if pool.blocks]
         n = 64 if width >= 76 else 32   # cells a row
         lines, folds = [], []
-        for pool in [bm.device, bm.cpu][:1 + bool(bm.num_cpu_blocks)]:
-            per_cell = max(1, math.ceil(len(pool.blocks) / (n * max_rows)))
+        for pool in tiers:
+            per_cell = max(1, math.ceil(len(pool.blocks) / (n * max(1, max_rows // len(tiers)))))
             cells = self._cells(pool.blocks, pool.seqs.values(), per_cell)
             lines += [Text(f"{pool.name if i == 0 else '':<6}{i * per_cell:>5} ") + cells[i:i + n]
                       for i in range(0, len(cells), n)]   # each row led by its first block's id
@@ -1580,7 +1692,7 @@ class View:
         header = f"{'seq':>5} {'req':>4}  {'state':<8} {'K':>4}/{'V':<4}  {'block table':<26} text"
         lines = [Text(header, "bold")]
         for request, seq in rows[:max_rows]:
-            pool = (bm.cpu if request.status is RequestStatus.SWAPPED else bm.device).blocks
+            pool = (bm.host if request.status is RequestStatus.SWAPPED else bm.device).blocks
             line = Text(f"{seq.seq_id:>5} {seq.request_id:>4}", HOLDER_COLOURS[seq.request_id % 8])
             line.append(f"  {request.status.value:<8} {seq.num_written_tokens:>4}/{len(seq):<4}  "
                         f"{table_text(pool, seq.block_table, 26):<26} ")
@@ -1620,22 +1732,26 @@ DEMOS = {   # name: what it shows
     "prefix": "a system prompt computed once, found by later requests (one word changed: none)",
     "fork": "n=4 samples share their prompt's blocks; the last block is copied on write",
     "beam": "beam search, width 3: beams fork and die on shared blocks",
-    "preempt": "five requests, a small pool: swapped out, or recomputed when CPU blocks run short",
+    "preempt": "five requests, a small pool: swapped out, or recomputed when host blocks run short",
     "evict": "finished requests' blocks stay cached until new prompts evict them, oldest first",
     "batching": "continuous batching: requests arrive while others decode and join their steps",
     "chunked": "chunked prefill: a long prompt computed over steps, 8 tokens a step with a decode",
     "watermark": "a request that would fit waits: it would leave no block for the next decode",
+    "tiers": "chats come back for a second turn: their blocks, written down to host memory and "
+             "disk meanwhile, are loaded back up",
 }
 # each demo's pool, of 4-token blocks: small enough for a screen to show every block
 DEMO_POOLS = {"mix": dict(num_blocks=24, num_cpu_blocks=12, preemption_mode="swap"),
               "preempt": dict(num_blocks=36, num_cpu_blocks=14, preemption_mode="swap"),
               "chunked": dict(num_blocks=48, max_num_batched_tokens=8), "fork": dict(num_blocks=48),
               "evict": dict(num_blocks=12), "watermark": dict(num_blocks=100),   # a watermark of 1
+              "tiers": dict(num_blocks=20, num_cpu_blocks=4, num_disk_blocks=12),
               **{name: dict(num_blocks=64) for name in ("prefix", "beam", "batching")}}
 
 def demo_arrivals(name, text):
     """A demo's requests, [(step, prompts, params)]: each queued once the engine has run `step`
-    steps (an idle engine skips ahead to the next), so a trace repeats exactly."""
+    steps (an idle engine skips ahead to the next), so a trace repeats exactly; step None: once
+    all before have finished, prompts then made from their token ids (done, in order)."""
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     longer = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     samples = SamplingParams(temperature=0.8, n=4, max_tokens=10, ignore_eos=True, seed=0)
@@ -1655,6 +1771,10 @@ def demo_arrivals(name, text):
         "chunked": [(0, ask[:1], longer), (2, [text(SYSTEM + " ".join(QUESTIONS))], greedy)],
         # 200 tokens (50 blocks), then 196 (49): at step 2 the first has taken its 51st block
         "watermark": [(0, [text(ask[0], 200)], greedy), (1, [text(QUESTIONS[1], 196)], greedy)],
+        # two chats, three requests that push the chats' blocks down the tiers, then (once all
+        # have finished) the chats' second turns: each one's history and a new message
+        "tiers": [(0, ask[:2], greedy), (12, ask[2:], greedy),
+                  (None, lambda done: [h + text(" Say more.") for h in done[:2]], greedy)],
     }[name]
 
 def demo_text(llm):   # text(s, length): token ids (random weights: a made-up id a word)
@@ -1673,15 +1793,17 @@ def run_demo(llm, name, live=False, trace=False, delay=0.0, svg=None, svg_step=N
     """Run a demo (every request checked first), print its outputs; return run and view seconds."""
     arrivals = demo_arrivals(name, demo_text(llm))
     for _, prompts, params in arrivals:
-        checked_requests(llm, prompts, params, type(params))
+        checked_requests(llm, [] if callable(prompts) else prompts, params, type(params))
     quiet = None if live or trace else Console(file=io.StringIO(), width=80)   # an SVG alone
     view = View(llm, live, quiet, delay, svg, svg_step, wait) if live or trace or svg else None
     t0 = time.perf_counter()
     request_ids = []
     with view or contextlib.nullcontext():
         for step, prompts, params in arrivals:
-            while llm.num_steps < step and llm.scheduler.has_unfinished():
+            while llm.scheduler.has_unfinished() and (step is None or llm.num_steps < step):
                 llm.step()
+            if callable(prompts):   # a chat's next turn: on the histories so far
+                prompts = prompts([llm.requests[r].finished[0].token_ids for r in request_ids])
             request_ids += llm.add_requests(prompts, params, type(params))
         while llm.scheduler.has_unfinished():
             llm.step()
@@ -1713,7 +1835,9 @@ if __name__ == "__main__":
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--block-size", type=int, default=4, help="tokens per KV cache block")
     p.add_argument("--num-blocks", type=int, help="blocks in the pool (default: the demo's)")
-    p.add_argument("--num-cpu-blocks", type=int, help="blocks in the CPU swap pool")
+    p.add_argument("--num-cpu-blocks", type=int, help="blocks in the host pool (swap, offload)")
+    p.add_argument("--num-disk-blocks", type=int, help="blocks in the disk pool (offload)")
+    p.add_argument("--disk-path", help="the disk pool's file (default: a temporary one)")
     p.add_argument("--preemption-mode", choices=["recompute", "swap", "auto"], help="see README")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     p.add_argument("--max-num-batched-tokens", type=int, help="tokens a step computes at most")
@@ -1729,7 +1853,8 @@ if __name__ == "__main__":
         p.error(f"--svg-step {args.svg_step}: give a step >= 1, and --svg")
     kwargs = dict(demo_pool(args.demo, args.block_size), block_size=args.block_size,
                   debug_blocks=args.debug_blocks, enable_prefix_caching=not args.no_prefix_caching)
-    optional = ("num_blocks", "num_cpu_blocks", "preemption_mode", "max_num_batched_tokens")
+    optional = ("num_blocks", "num_cpu_blocks", "num_disk_blocks", "disk_path", "preemption_mode",
+                "max_num_batched_tokens")
     kwargs.update({k: getattr(args, k) for k in optional if getattr(args, k) is not None})
     llm = None
     try:

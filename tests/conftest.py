@@ -28,7 +28,7 @@ def assert_no_block_held(llm):
     bm = llm.block_manager
     bm.check_invariants()
     assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} blocks still held"
-    assert not bm.device.seqs and not bm.cpu.seqs
+    assert not any(pool.seqs for pool in bm.tiers) and not bm.copies
     assert not llm.scheduler.running and not llm.scheduler.waiting and not llm.scheduler.swapped
 
 

@@ -58,7 +58,7 @@ def test_prefix_hit_through_hash_chain():
     bm = BlockManager(16, 16)
     prefix = toks(0, 64)
     a = computed(bm, Sequence(prefix + toks(500, 5)))   # 69 tokens: 4 full blocks registered
-    assert len(bm.hash_to_block_ids) == 4
+    assert len(bm.device.hash_to_block_ids) == 4
     assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (69, 0)
     b = alloc(bm, Sequence(prefix + toks(900, 10)))
     assert b.num_cached_tokens == b.num_computed_tokens == 64
@@ -75,7 +75,7 @@ def test_fully_cached_prompt_still_computes_last_token():
     """A prompt cached in full still leaves the block holding its last token to compute: 48 of 64 hit."""
     bm = BlockManager(16, 16)
     a = computed(bm, Sequence(toks(0, 64)))
-    assert len(bm.hash_to_block_ids) == 4
+    assert len(bm.device.hash_to_block_ids) == 4
     b = alloc(bm, Sequence(toks(0, 64)))
     assert b.num_cached_tokens == 48
     assert b.block_table[:3] == a.block_table[:3] and b.block_table[3] != a.block_table[3]
@@ -142,12 +142,12 @@ def test_eviction_keeps_cached_blocks_and_evicts_least_recently_freed():
     bm.free(b)
     bm.check_invariants()
     assert list(bm.device.cached_block_ids) == [1, 0, 3, 2] and list(bm.device.free_block_ids) == [4, 5]
-    assert bm.num_free_blocks == 6 and len(bm.hash_to_block_ids) == 4
+    assert bm.num_free_blocks == 6 and len(bm.device.hash_to_block_ids) == 4
     f1 = alloc(bm, Sequence(toks(300, 12)))    # truly free blocks first, then a's tail
     assert f1.block_table == [4, 5, 1] and bm.num_evictions == 1
     f2 = alloc(bm, Sequence(toks(400, 8)))     # then a's head, then b's tail
     assert f2.block_table == [0, 3] and bm.num_evictions == 3
-    assert list(bm.device.cached_block_ids) == [2] and len(bm.hash_to_block_ids) == 1
+    assert list(bm.device.cached_block_ids) == [2] and len(bm.device.hash_to_block_ids) == 1
     free_all(bm, f1, f2)
     lost = alloc(bm, Sequence(toks(100, 8) + [1]))   # a's prefix was evicted
     assert lost.num_cached_tokens == 0
@@ -234,7 +234,7 @@ def test_prefix_caching_disabled_registers_and_hits_nothing():
     a = computed(bm, Sequence(toks(0, 74)))
     b = alloc(bm, Sequence(toks(0, 64) + toks(900, 10)))
     assert b.num_cached_tokens == 0 and not set(a.block_table) & set(b.block_table)
-    assert bm.hash_to_block_ids == {} and all(blk.hash is None for blk in bm.device.blocks)
+    assert bm.device.hash_to_block_ids == {} and all(blk.hash is None for blk in bm.device.blocks)
     assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (0, 0)
     free_all(bm, a, b)
     assert not bm.device.cached_block_ids and len(bm.device.free_block_ids) == 10

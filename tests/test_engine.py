@@ -164,7 +164,7 @@ BAD = {   # the bad inputs the API must refuse: what to call and a word the mess
     "top_p > 1": (lambda llm: SamplingParams(top_p=1.5), "top_p"),
     "pool too small": (lambda llm: llm.generate([ids(0, 30)], SamplingParams(max_tokens=30, n=4)), "too small"),
     "block_size 12": (lambda llm: LLM("random:tiny", block_size=12), "power of two"),
-    "swap without CPU pool": (lambda llm: LLM("random:tiny", preemption_mode="swap"), "CPU pool"),
+    "swap without host pool": (lambda llm: LLM("random:tiny", preemption_mode="swap"), "host pool"),
 }
 
 
@@ -179,7 +179,7 @@ def test_bad_input_raises_and_engine_keeps_serving(case):
     with pytest.raises(ValueError, match=word):
         call(llm)
     with pytest.raises(ValueError, match=word):   # mixed with a good prompt in one call: nothing is queued
-        if case in ("block_size 12", "swap without CPU pool") or "<" in case or "top_p" in case:
+        if case in ("block_size 12", "swap without host pool") or "<" in case or "top_p" in case:
             call(llm)
         else:
             bad_prompt = {"empty prompt": [], "token outside vocab": [1, 2, 256]}.get(case, ids(0, 60))

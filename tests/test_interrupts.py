@@ -163,7 +163,7 @@ def check_every_point(mode, kind, where_to, error):
             queues = [*sched.waiting, *sched.running, *sched.swapped]
             assert queues.count(request) == (request.status is not RequestStatus.FINISHED), where
             assert len(request.seqs) + len(request.finished) <= QUEUED[1].n, where
-            holders = {*llm.block_manager.device.seqs, *llm.block_manager.cpu.seqs}
+            holders = {s for pool in llm.block_manager.tiers for s in pool.seqs}
             assert holders <= {s.seq_id for s in request.seqs}, where
         else:   # the line was not reached this time: no SIGINT was sent
             assert not interrupt.sent, f"{where}: lost"

@@ -1,11 +1,14 @@
-"""Property-based (hypothesis): random operations on a BlockManager never break an invariant, never
-lose or mix up a token's K/V, and every block comes back at the end; random whole requests through
-the engine, in pools down to the smallest it accepts, all finish with a roomy pool's tokens.
+"""Property-based (hypothesis): random operations on a BlockManager of three tiers never break an
+invariant, never lose or mix up a token's K/V in any tier, and every block comes back at the end;
+random whole requests through the engine, in pools down to the smallest it accepts, all finish
+with a roomy pool's tokens.
 
-The K/V are modelled by the token each slot holds: the test writes a sequence's tokens into its slots
-as the model would, makes the block copies the block manager asks for (copy-on-write, swap out, swap
-in), and checks after every operation that each sequence reads its own tokens back through its block
-table, whatever was shared, copied, evicted or swapped."""
+The K/V are modelled by the token each slot holds, in each tier: the test writes a sequence's
+tokens into its slots as the model would, makes every block copy the block manager queues
+(copy-on-write, swap out and in, write-downs on eviction, loads on a hit below the device), and
+checks after every operation that each sequence reads its own tokens back through its block
+table, and that every block registered in the prefix cache, in any tier, holds the tokens it is
+registered with: whatever was shared, copied, evicted, written down, loaded or swapped."""
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,35 +21,49 @@ BLOCK_SIZE = 4
 PREFIXES = [list(range(100, 112)), list(range(200, 212)), [100, 101, 102, 103] + list(range(300, 308))]
 
 
+class Rule:
+    """A stand-in for the engine's cost rule: which tiers below the device are worth loading from."""
+
+    def __init__(self):
+        self.worth = {"host": True, "disk": True}
+
+    def worth_loading(self, tier):
+        return self.worth[tier]
+
+
 class BlockManagerMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
-        self.bm = BlockManager(num_blocks=12, block_size=BLOCK_SIZE, num_cpu_blocks=8)
-        self.device, self.cpu = {}, {}   # (block_id, offset) -> the token whose K/V the slot holds
-        self.live, self.swapped = [], []   # sequences on the device; requests (lists) on the CPU
+        self.rule = Rule()
+        self.bm = BlockManager(num_blocks=12, block_size=BLOCK_SIZE, num_cpu_blocks=6, num_disk_blocks=6,
+                               cost=self.rule)
+        self.kv = {"device": {}, "host": {}, "disk": {}}   # tier -> (block_id, offset) -> the token its K/V are of
+        self.live, self.swapped = [], []   # sequences on the device; requests (lists) in host memory
+
+    def make_copies(self):
+        """What the engine does before the model runs: every queued copy, in order."""
+        while self.bm.copies:
+            src_tier, src, dst_tier, dst = self.bm.copies.popleft()
+            for o in range(BLOCK_SIZE):
+                if (src, o) in self.kv[src_tier]:
+                    self.kv[dst_tier][(dst, o)] = self.kv[src_tier][(src, o)]
+                else:
+                    self.kv[dst_tier].pop((dst, o), None)
 
     def write(self, seq, start):
         """What the model does: K/V of positions start.. go into their slots; then they are computed."""
+        self.make_copies()
         for p in range(start, len(seq)):
-            self.device[(seq.block_table[p // BLOCK_SIZE], p % BLOCK_SIZE)] = seq.token_ids[p]
+            self.kv["device"][(seq.block_table[p // BLOCK_SIZE], p % BLOCK_SIZE)] = seq.token_ids[p]
         seq.num_computed_tokens = len(seq)
         self.bm.cache_full_blocks(seq)
-
-    @staticmethod
-    def copy(pairs, src, dst):
-        for a, b in pairs:
-            for o in range(BLOCK_SIZE):
-                if (a, o) in src:
-                    dst[(b, o)] = src[(a, o)]
-                else:
-                    dst.pop((b, o), None)
 
     @rule(prefix=st.integers(0, 2), k=st.integers(0, 12), own=st.lists(st.integers(0, 40), min_size=1, max_size=9))
     def allocate(self, prefix, k, own):
         seq = Sequence(PREFIXES[prefix][:k] + own)
         if self.bm.can_allocate(seq):
             self.bm.allocate(seq)
-            self.write(seq, seq.num_computed_tokens)   # prefix hits are not written again
+            self.write(seq, seq.num_computed_tokens)   # prefix hits, loaded or not, are not written again
             self.live.append(seq)
 
     @precondition(lambda self: self.live)
@@ -57,9 +74,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not self.bm.can_append(seq):
             seq.token_ids.pop()
             return
-        copy = self.bm.append_slot(seq)
-        if copy is not None:
-            self.copy([copy], self.device, self.device)
+        self.bm.append_slot(seq)
         self.write(seq, len(seq) - 1)
 
     @precondition(lambda self: self.live)
@@ -83,7 +98,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq = data.draw(st.sampled_from(self.live))
         group = [s for s in self.live if s.request_id == seq.request_id]
         if self.bm.can_swap_out(*group):
-            self.copy(self.bm.swap_out(*group), self.device, self.cpu)
+            self.bm.swap_out(*group)
+            self.make_copies()
             self.live = [s for s in self.live if s not in group]
             self.swapped.append(group)
 
@@ -92,7 +108,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def swap_in(self, data):
         group = data.draw(st.sampled_from(self.swapped))
         if self.bm.can_swap_in(*group):
-            self.copy(self.bm.swap_in(*group), self.cpu, self.device)
+            self.bm.swap_in(*group)
+            self.make_copies()
             self.swapped.remove(group)
             self.live += group
 
@@ -104,29 +121,66 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.bm.free(seq)
         self.swapped.remove(group)
 
+    @rule(tier=st.sampled_from(["host", "disk"]), worth=st.booleans())
+    def cost_rule_changes(self, tier, worth):
+        """The measured costs move: a tier may stop (or start) being worth loading from."""
+        self.rule.worth[tier] = worth
+
     @invariant()
     def rules_hold(self):
         self.bm.check_invariants()
 
     @invariant()
     def every_sequence_reads_its_own_tokens(self):
-        for store, seqs in ((self.device, self.live), (self.cpu, [s for g in self.swapped for s in g])):
+        self.make_copies()
+        for tier, seqs in (("device", self.live), ("host", [s for g in self.swapped for s in g])):
             for seq in seqs:
                 for p in range(seq.num_computed_tokens):
                     slot = (seq.block_table[p // BLOCK_SIZE], p % BLOCK_SIZE)
-                    assert store.get(slot) == seq.token_ids[p], f"seq {seq.seq_id} position {p} reads {store.get(slot)}"
+                    assert self.kv[tier].get(slot) == seq.token_ids[p], f"seq {seq.seq_id} position {p} reads {self.kv[tier].get(slot)}"
+
+    @invariant()
+    def every_registered_block_holds_its_tokens(self):
+        self.make_copies()
+        for pool in self.bm.tiers:
+            for block in pool.blocks:
+                if block.hash is not None:
+                    got = tuple(self.kv[pool.name].get((block.block_id, o)) for o in range(BLOCK_SIZE))
+                    assert got == block.token_ids, f"{pool.name} block {block.block_id} holds {got}, registered as {block.token_ids}"
 
     def teardown(self):
         for seq in self.live + [s for g in self.swapped for s in g]:
             self.bm.free(seq)
             self.bm.check_invariants()
         assert self.bm.num_free_blocks == self.bm.num_blocks, "a device block leaked"
-        assert len(self.bm.cpu.free_block_ids) == self.bm.num_cpu_blocks, "a CPU block leaked"
+        for pool in self.bm.tiers:
+            assert pool.num_free_blocks == len(pool.blocks) and not pool.seqs, f"a {pool.name} block leaked"
 
 
 BlockManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestBlockManagerProperties = BlockManagerMachine.TestCase
-TestBlockManagerProperties.__doc__ = "Random allocate/append/fork/free/swap/evict sequences keep every invariant and every token."
+TestBlockManagerProperties.__doc__ = ("Random allocate/append/fork/free/swap/evict/write-down/load sequences over three "
+                                      "tiers keep every invariant and every token, in every tier.")
+
+
+def test_the_random_operations_reach_every_tier():
+    """The random operations above do reach what they are meant to test: write-downs to host and to disk, loads from
+    both, evictions off the bottom, swaps (a fixed sequence of the same operations, so it cannot pass by luck)."""
+    m = BlockManagerMachine()
+    fillers = [[500 + 20 * j + t for t in range(17)] for j in range(5)]   # 4 full blocks each, all distinct
+    for prefix, k, own in [(0, 12, [1]), (1, 12, [1]), (2, 12, [1])] + [(0, 0, f) for f in fillers] + \
+            [(0, 0, fillers[1] + [2]), (2, 12, [2])]:   # fill, push down the tiers, come back up
+        m.allocate(prefix, k, own)
+        for seq in list(m.live):
+            m.bm.free(seq)
+            m.live.remove(seq)
+        m.every_registered_block_holds_its_tokens()
+        m.rules_hold()
+    bm = m.bm
+    kinds = {(c.kind, c.tier, c.note) for c in bm.events.records}
+    assert {("write down", "device", "host"), ("write down", "host", "disk"), ("evict", "disk", "")} <= kinds
+    assert ("load", "host", "") in kinds and ("load", "disk", "") in kinds and bm.num_loaded_blocks > 0
+    m.teardown()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -69,7 +69,7 @@ def test_pressure_run_finishes_everything_with_unconstrained_outputs(unconstrain
         assert stats["num_swapped_out_blocks"] == 0
     assert len(got) == 120 and got == want
     assert_no_block_held(llm)
-    assert len(llm.block_manager.cpu.free_block_ids) == llm.block_manager.num_cpu_blocks and not llm.block_manager.cpu.seqs
+    assert llm.block_manager.host.num_free_blocks == llm.block_manager.num_cpu_blocks and not llm.block_manager.host.seqs
 
 
 def test_swap_and_recompute_give_identical_outputs(pressure_runs):
@@ -102,14 +102,15 @@ def test_swap_out_and_in_keeps_kv_and_continues_exactly():
     before = [kv_of(llm, s) for s in seqs]
     batch = ScheduledBatch(budget=2048)
     assert llm.scheduler.preempt(request, batch, mode="swap") == "swap"
-    llm.copy_blocks(batch.block_copies)
+    copies = list(llm.block_manager.copies)
+    llm.copy_blocks()
     distinct = len({b for s in seqs for b in s.block_table})
-    assert len(batch.block_copies) == distinct            # each distinct block moved once: sharing survives
+    assert len(copies) == distinct and {(c[0], c[2]) for c in copies} == {("device", "host")}   # each distinct block moved once: sharing survives
     assert seqs[0].block_table[:5] == seqs[1].block_table[:5]
     for s, kv in zip(seqs, before):
-        assert torch.equal(kv_of(llm, s, llm.cpu_cache), kv)
+        assert torch.equal(kv_of(llm, s, llm.kv_caches["host"]), kv)
     llm.block_manager.check_invariants()
-    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks   # all on the CPU now
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks   # all in host memory now
     llm.step()   # swaps the request back in and continues
     assert request.status.value in ("running", "finished")
     while llm.scheduler.has_unfinished():
@@ -130,11 +131,11 @@ def test_swapped_in_kv_equals_swapped_out_kv():
     before = kv_of(llm, seq)
     batch = ScheduledBatch(budget=2048)
     llm.scheduler.preempt(request, batch, mode="swap")
-    llm.copy_blocks(batch.block_copies)
+    llm.copy_blocks()
     llm.kv_cache.normal_()   # whatever the device pool held is gone
     batch = llm.scheduler.schedule()
-    assert [k for k, _, _ in batch.block_copies if k == "swap in"] and seq in [e.seq for e in batch.entries]
-    llm.copy_blocks(batch.block_copies)
+    assert [c for c in llm.block_manager.copies if c[0] == "host"] and seq in [e.seq for e in batch.entries]
+    llm.copy_blocks()
     assert torch.equal(kv_of(llm, seq), before)
 
 
@@ -282,12 +283,12 @@ def test_wrong_params_kind_is_a_value_error():
 
 def test_auto_mode_follows_its_cost_estimate():
     """preemption_mode='auto' swaps when moving the blocks is cheaper than recomputing, recomputes when it is not,
-    and a full CPU pool falls back to recompute."""
+    and a full host pool falls back to recompute."""
     prompts, params = [ids(80 + i, 9 + 2 * i) for i in range(6)], SamplingParams(temperature=0, max_tokens=12)
     want = [o.outputs[0].token_ids for o in LLM("random:tiny", block_size=4, num_blocks=80).generate(prompts, params)]
     for bandwidth, cpu_blocks, swaps in ((1e15, 30, True), (1.0, 30, False), (1e15, 1, False)):
         llm = checked(LLM("random:tiny", block_size=4, num_blocks=14, num_cpu_blocks=cpu_blocks, preemption_mode="auto"))
-        llm.scheduler.cost.swap_bytes_per_second = bandwidth   # 1 byte/s: a swap would take forever
+        llm.block_manager.cost.seconds_per_block["host"] = 1 / bandwidth   # 1 block/s: a swap would take forever
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
         stats = llm.stats()
         assert stats["num_preemptions"] > 0 and (stats["num_swapped_out_blocks"] > 0) == swaps

@@ -48,10 +48,15 @@ def check_frame(text, llm, report):
                      f"{stats['token_occupancy_perc']:.0%}"[:-1],
                      f"{stats['prefix_cache_hit_rate']:.0%}"[:-1])
     second = re.match(r"preemptions (\d+) \| swapped out (\d+) in (\d+) \| copies (\d+) \| "
-                      r"evictions (\d+)", lines[1]).groups()
-    assert tuple(map(int, second)) == (stats["num_preemptions"], stats["num_swapped_out_blocks"],
-                                       stats["num_swapped_in_blocks"], stats["num_cow_copies"],
-                                       stats["num_evictions"])
+                      r"evictions (\d+)(?: \| written down (\d+) \| loaded (\d+) \(host (\d+) "
+                      r"tokens, disk (\d+)\))?", lines[1]).groups()
+    tiers = len(bm.host.blocks) + len(bm.disk.blocks) > 0
+    assert (second[5] is not None) == tiers
+    assert tuple(int(x) for x in second if x is not None) == (
+        stats["num_preemptions"], stats["num_swapped_out_blocks"], stats["num_swapped_in_blocks"],
+        stats["num_cow_copies"], stats["num_evictions"]) + (
+        stats["num_offloaded_blocks"], stats["num_loaded_blocks"], stats["host_prefix_cache_hits"],
+        stats["disk_prefix_cache_hits"]) * tiers
     # what the step ran: each prefill chunk's positions, the decodes
     pool_top = next(i for i, line in enumerate(lines) if line.startswith("device "))
     ran = " ".join(lines[2:pool_top])
@@ -62,13 +67,13 @@ def check_frame(text, llm, report):
     assert ran.startswith(f"ran {report.batch.num_tokens} token")
     # the pools: every block's cell, each pool's rows led by its name, then the first block's id
     legend = next(i for i, line in enumerate(lines) if line.startswith("digit:"))
-    shown, pool = {"device": {}, "cpu": {}}, None
+    shown, pool = {"device": {}, "host": {}, "disk": {}}, None
     for line in lines[pool_top:legend]:
-        name, start, cells = re.match(r"(device|cpu)?\s+(\d+) (\S+)$", line).groups()
+        name, start, cells = re.match(r"(device|host|disk)?\s+(\d+) (\S+)$", line).groups()
         pool = name or pool
         shown[pool].update((int(start) + i, c) for i, c in enumerate(cells))
-    assert shown["device"] == {b.block_id: expected_cell(b) for b in bm.device.blocks}
-    assert shown["cpu"] == {b.block_id: expected_cell(b) for b in bm.cpu.blocks}
+    for tier in bm.tiers:   # every tier with blocks has its rows
+        assert shown[tier.name] == {b.block_id: expected_cell(b) for b in tier.blocks}
     # the sequences: every live one, with its request, state, K/V written and block table
     sched = llm.scheduler
     live = {s.seq_id: (r, s) for q in (sched.running, sched.swapped, sched.waiting)
@@ -82,7 +87,7 @@ def check_frame(text, llm, report):
         request, seq = live[int(seq_id)]
         assert (int(request_id), state) == (request.request_id, request.status.value)
         assert (int(written), int(length)) == (seq.num_written_tokens, len(seq))
-        pool = bm.cpu.blocks if request.status is RequestStatus.SWAPPED else bm.device.blocks
+        pool = bm.host.blocks if request.status is RequestStatus.SWAPPED else bm.device.blocks
         want = [(b, "*" if pool[b].ref_count > 1 else "") for b in seq.block_table]
         head, hidden, tail = expand_table(table)
         assert head + tail == want[:len(head)] + want[len(want) - len(tail):]
@@ -95,10 +100,13 @@ def check_frame(text, llm, report):
 
 def run_arrivals(llm, arrivals):
     """Queue each (step, prompts, params) once llm has run that many steps; run to the end."""
+    request_ids = []
     for step, prompts, params in arrivals:
-        while llm.num_steps < step and llm.scheduler.has_unfinished():
+        while llm.scheduler.has_unfinished() and (step is None or llm.num_steps < step):
             llm.step()
-        llm.add_requests(prompts, params, type(params))
+        if callable(prompts):   # the tiers demo's second turns: on the finished histories
+            prompts = prompts([llm.requests[r].finished[0].token_ids for r in request_ids])
+        request_ids += llm.add_requests(prompts, params, type(params))
     while llm.scheduler.has_unfinished():
         llm.step()
     for request_id in list(llm.requests):
@@ -154,15 +162,15 @@ def frames_of(llm, arrivals, width, height):
 
 @pytest.mark.parametrize("width,height", [(80, 24), (120, 40)])
 def test_the_live_view_shows_or_counts_every_event_and_fits_the_terminal(width, height):
-    """A run with a step of 14 evictions and a swap-in, drawn live at 80x24 and 120x40: every
-    frame fits the terminal, and each event of its step is shown in full or counted."""
-    llm = checked(LLM("random:tiny", block_size=4, **DEMO_POOLS["mix"]))
+    """A run on three tiers with a step of 14 evictions (written down) and a swap-in, drawn live at
+    80x24 and 120x40: every frame fits the terminal, and each event of its step is shown in full or counted."""
+    llm = checked(LLM("random:tiny", block_size=4, num_disk_blocks=30, **DEMO_POOLS["mix"]))
     text = demo_text(llm)
     fill = [(0, [list(range(1, 81))], SamplingParams(temperature=0, max_tokens=2))]   # 20 cached
     evict = [(2, [list(range(100, 172))], SamplingParams(temperature=0, max_tokens=2))]   # 18 new
     arrivals = [(4 + step, prompts, params) for step, prompts, params in demo_arrivals("mix", text)]
     frames = frames_of(llm, fill + evict + arrivals, width, height)
-    most = max(sum(e.kind == "evict" for e in report.events) for report, _ in frames)
+    most = max(sum(e.kind in ("evict", "write down") for e in report.events) for report, _ in frames)
     assert most >= 14 and any(e.kind == "swap in" for report, _ in frames for e in report.events)
     for report, lines in frames:
         assert len(lines) <= height and max(map(len, lines)) <= width
@@ -197,6 +205,8 @@ TRACE_WORDS = {   # what each demo's trace must show: the plain words of the eve
     "batching": ["finds blocks", "decode"],
     "chunked": ["prefill 0-7 of", "decode"],
     "watermark": ["the watermark keeps 1 free"],
+    "tiers": ["written down to host block", "written down to disk block", "in the host tier: loaded into",
+              "in the disk tier: loaded into"],
 }
 
 
