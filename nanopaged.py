@@ -1049,9 +1049,10 @@ def check_engine_args(model, device, dtype, block_size, num_blocks, num_cpu_bloc
                       debug_blocks):
     check_pool_args(1 if num_blocks is None else num_blocks, block_size, num_cpu_blocks,
                     num_disk_blocks)
-    folder = os.path.dirname(os.path.abspath(disk_path)) if isinstance(disk_path, str) else ""
-    require(disk_path is None or (os.path.isdir(folder) and not os.path.isdir(disk_path)),
-            f"disk_path must be None (a temporary file) or a file in a folder, got {disk_path!r}")
+    path = os.path.abspath(disk_path) if isinstance(disk_path, (str, os.PathLike)) else "/"
+    new_file = os.path.isdir(os.path.dirname(path)) and not os.path.exists(path)
+    require(disk_path is None or new_file, "disk_path must be None (a temporary file) or a new "
+            f"file in a folder (removed with the engine), got {disk_path!r}")
     require(model is None or isinstance(model, str),
             f"model must be None, a directory or 'random:<preset>', got {model!r}")
     name = str(device)   # a string or a torch.device
@@ -1340,16 +1341,17 @@ class CostModel:
         return "swap" if swap_seconds < num_tokens * self.seconds_per_token else "recompute"
 
 def open_disk_pool(llm, path, shape):
-    """The disk tier's K/V: a file of this shape mapped into memory, so that a copy in or out is
-    the operating system's write or read (whose page cache may keep it in memory). With no path,
-    a temporary file, removed when the engine is."""
+    """The disk tier's K/V: a new file of this shape mapped into memory, so that a copy in or out
+    is the operating system's write or read (whose page cache may keep it in memory); by default
+    a temporary file. It is removed when the engine is: nothing in it outlives the engine."""
     if not shape[2]:   # no disk tier
         return torch.zeros(shape, dtype=llm.dtype)
     if path is None:
         fd, path = tempfile.mkstemp(prefix="nanopaged-", suffix=".kv")
         os.close(fd)
-        weakref.finalize(llm, os.remove, path)
-    return torch.from_file(path, shared=True, size=math.prod(shape), dtype=llm.dtype).view(shape)
+    weakref.finalize(llm, os.remove, path)
+    return torch.from_file(os.fspath(path), shared=True, size=math.prod(shape),
+                           dtype=llm.dtype).view(shape)
 
 # ----------------------------------------------------------------------------------------------
 # 9. Failure recovery: a step that raises (an error, Ctrl-C) is undone
@@ -1359,8 +1361,9 @@ def open_disk_pool(llm, path, shape):
 # written (or their copy is queued), unregistered before it is written again, so a recompute
 # finds its full blocks there; a block whose queued copy was never made is dropped.
 
-def copy_state(obj):   # an object's attributes, its lists and deques copied: a step edits those
-    return {k: copy.copy(v) if isinstance(v, (list, deque)) else v for k, v in vars(obj).items()}
+def copy_state(obj):   # an object's attributes; the lists, deques, Counters a step edits, copied
+    return {k: copy.copy(v) if isinstance(v, (list, deque, Counter)) else v
+            for k, v in vars(obj).items()}
 
 class Undo:
     def __init__(self, llm):
@@ -1737,8 +1740,8 @@ DEMOS = {   # name: what it shows
     "batching": "continuous batching: requests arrive while others decode and join their steps",
     "chunked": "chunked prefill: a long prompt computed over steps, 8 tokens a step with a decode",
     "watermark": "a request that would fit waits: it would leave no block for the next decode",
-    "tiers": "chats come back for a second turn: their blocks, written down to host memory and "
-             "disk meanwhile, are loaded back up",
+    "tiers": "two questions come back with a follow-up: their blocks, written down to host "
+             "memory and disk meanwhile, are loaded back up",
 }
 # each demo's pool, of 4-token blocks: small enough for a screen to show every block
 DEMO_POOLS = {"mix": dict(num_blocks=24, num_cpu_blocks=12, preemption_mode="swap"),
@@ -1750,8 +1753,7 @@ DEMO_POOLS = {"mix": dict(num_blocks=24, num_cpu_blocks=12, preemption_mode="swa
 
 def demo_arrivals(name, text):
     """A demo's requests, [(step, prompts, params)]: each queued once the engine has run `step`
-    steps (an idle engine skips ahead to the next), so a trace repeats exactly; step None: once
-    all before have finished, prompts then made from their token ids (done, in order)."""
+    steps (an idle engine skips ahead to the next), so a trace repeats exactly."""
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     longer = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     samples = SamplingParams(temperature=0.8, n=4, max_tokens=10, ignore_eos=True, seed=0)
@@ -1771,10 +1773,10 @@ def demo_arrivals(name, text):
         "chunked": [(0, ask[:1], longer), (2, [text(SYSTEM + " ".join(QUESTIONS))], greedy)],
         # 200 tokens (50 blocks), then 196 (49): at step 2 the first has taken its 51st block
         "watermark": [(0, [text(ask[0], 200)], greedy), (1, [text(QUESTIONS[1], 196)], greedy)],
-        # two chats, three requests that push the chats' blocks down the tiers, then (once all
-        # have finished) the chats' second turns: each one's history and a new message
-        "tiers": [(0, ask[:2], greedy), (12, ask[2:], greedy),
-                  (None, lambda done: [h + text(" Say more.") for h in done[:2]], greedy)],
+        # two questions (28 tokens), three more that push their blocks down the tiers, then the
+        # two again with a follow-up, as a chat's next turn sends its history again
+        "tiers": [(0, [text(q, 28) for q in ask[:2]], greedy), (12, ask[2:], greedy),
+                  (24, [text(q, 28) + text(" Say more.") for q in ask[:2]], greedy)],
     }[name]
 
 def demo_text(llm):   # text(s, length): token ids (random weights: a made-up id a word)
@@ -1793,17 +1795,15 @@ def run_demo(llm, name, live=False, trace=False, delay=0.0, svg=None, svg_step=N
     """Run a demo (every request checked first), print its outputs; return run and view seconds."""
     arrivals = demo_arrivals(name, demo_text(llm))
     for _, prompts, params in arrivals:
-        checked_requests(llm, [] if callable(prompts) else prompts, params, type(params))
+        checked_requests(llm, prompts, params, type(params))
     quiet = None if live or trace else Console(file=io.StringIO(), width=80)   # an SVG alone
     view = View(llm, live, quiet, delay, svg, svg_step, wait) if live or trace or svg else None
     t0 = time.perf_counter()
     request_ids = []
     with view or contextlib.nullcontext():
         for step, prompts, params in arrivals:
-            while llm.scheduler.has_unfinished() and (step is None or llm.num_steps < step):
+            while llm.num_steps < step and llm.scheduler.has_unfinished():
                 llm.step()
-            if callable(prompts):   # a chat's next turn: on the histories so far
-                prompts = prompts([llm.requests[r].finished[0].token_ids for r in request_ids])
             request_ids += llm.add_requests(prompts, params, type(params))
         while llm.scheduler.has_unfinished():
             llm.step()

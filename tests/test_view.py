@@ -100,13 +100,10 @@ def check_frame(text, llm, report):
 
 def run_arrivals(llm, arrivals):
     """Queue each (step, prompts, params) once llm has run that many steps; run to the end."""
-    request_ids = []
     for step, prompts, params in arrivals:
-        while llm.scheduler.has_unfinished() and (step is None or llm.num_steps < step):
+        while llm.num_steps < step and llm.scheduler.has_unfinished():
             llm.step()
-        if callable(prompts):   # the tiers demo's second turns: on the finished histories
-            prompts = prompts([llm.requests[r].finished[0].token_ids for r in request_ids])
-        request_ids += llm.add_requests(prompts, params, type(params))
+        llm.add_requests(prompts, params, type(params))
     while llm.scheduler.has_unfinished():
         llm.step()
     for request_id in list(llm.requests):

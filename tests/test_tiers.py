@@ -1,0 +1,457 @@
+"""The memory hierarchy: a cached block evicted from the device is written down to the host,
+from the host to disk, from disk dropped; a prompt finds its prefix in any tier and loads it
+back up; swap-out shares the host with the cache; the cost rule turns a tier off. First the
+BlockManager driven by hand (block_size 4, no model), then a multi-turn chat on random:tiny
+whose outputs must not depend on the tiers, then bad input and Ctrl-C in the middle of a copy.
+
+    python -m pytest -q tests/test_tiers.py
+"""
+import gc
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import nanopaged
+from conftest import assert_no_block_held, checked
+from nanopaged import LLM, BlockManager, SamplingParams, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BS = 4   # block_size of every test here: a block is 4 tokens
+
+
+def toks(start, n):
+    """n distinct token ids from start: different starts give prompts with nothing in common."""
+    return list(range(start, start + n))
+
+
+def alloc(bm, seq):
+    bm.allocate(seq)
+    bm.check_invariants()
+    return seq
+
+
+def computed(bm, seq):
+    """What the engine does for a prompt: allocate, compute every token, register full blocks."""
+    alloc(bm, seq)
+    seq.num_computed_tokens = len(seq)
+    bm.cache_full_blocks(seq)
+    bm.check_invariants()
+    return seq
+
+
+def cached(bm, token_ids):
+    """A prompt computed and finished: its full blocks stay in the prefix cache, held by none."""
+    seq = computed(bm, Sequence(token_ids))
+    bm.free(seq)
+    bm.check_invariants()
+    return seq
+
+
+def events(bm):
+    """The events recorded since the last call, as (kind, blocks, to, note, tier)."""
+    records, bm.events.records = bm.events.records, []
+    return [(e.kind, e.block_ids, e.to_ids, e.note, e.tier) for e in records]
+
+
+def taken(bm):
+    """The copies queued since the last call, in the order decided; the queue is emptied."""
+    copies = list(bm.copies)
+    bm.copies.clear()
+    return copies
+
+
+def forget(bm):
+    """Drop the copies and events so far: the assertions after it see only what comes next."""
+    taken(bm)
+    events(bm)
+
+
+def registered(bm):
+    """tier -> {block id: its tokens} of every block registered in the prefix cache."""
+    return {pool.name: {b.block_id: b.token_ids for b in pool.blocks if b.hash is not None}
+            for pool in bm.tiers}
+
+
+def where_is(bm, token_ids):
+    """[(tier, block id)] of the registered blocks holding these 4 tokens (at any position)."""
+    return [(tier, b) for tier, blocks in registered(bm).items()
+            for b, t in blocks.items() if t == tuple(token_ids)]
+
+
+# ----------------------------------------------------------------------------------------------
+# The BlockManager by hand: write-downs, drops, loads, swap-out, the cost rule, collisions
+
+
+def test_device_eviction_writes_the_block_down_to_host():
+    """Evicting a cached device block queues its copy to a host block registered as the same
+    prefix (hash, tokens), and leaves the device block unregistered."""
+    bm = BlockManager(1, BS, num_cpu_blocks=1, num_disk_blocks=1)
+    cached(bm, toks(0, 4))                            # device block 0: tokens 0-3, cached
+    entry = bm.device.blocks[0].entry
+    assert entry[0] == BlockManager.compute_hash(None, (0, 1, 2, 3))
+    forget(bm)
+    b = alloc(bm, Sequence(toks(100, 4)))             # no free block: block 0 is evicted
+    assert b.block_table == [0]
+    assert taken(bm) == [("device", 0, "host", 0)]
+    assert events(bm) == [("write down", (0,), (0,), "host", "device")]
+    host = bm.host.blocks[0]
+    assert host.entry == entry and host.token_ids == (0, 1, 2, 3) and host.ref_count == 0
+    assert list(bm.host.cached_block_ids) == [0]
+    assert bm.host.hash_to_block_ids == {entry[0]: {0: None}}
+    assert bm.device.blocks[0].hash is None and bm.device.blocks[0].token_ids == ()
+    assert entry[0] not in bm.device.hash_to_block_ids
+    assert (bm.num_offloaded_blocks, bm.num_evictions) == (1, 0)
+    bm.free(b)                                        # b computed nothing: its block is free
+    bm.check_invariants()
+    assert list(bm.device.free_block_ids) == [0] and not bm.device.cached_block_ids
+    assert where_is(bm, toks(0, 4)) == [("host", 0)]
+
+
+def test_host_full_of_cached_blocks_writes_its_least_recent_down_to_disk():
+    """With the host full of cached blocks, a device eviction first moves the host's least
+    recently cached block to disk, then takes its place: two copies, in that order."""
+    bm = BlockManager(1, BS, num_cpu_blocks=2, num_disk_blocks=2)
+    for start in (0, 10, 20):                         # P0, P1 written down to host blocks 0, 1
+        cached(bm, toks(start, 4))
+    assert registered(bm) == {"device": {0: (20, 21, 22, 23)},
+                              "host": {0: (0, 1, 2, 3), 1: (10, 11, 12, 13)}, "disk": {}}
+    forget(bm)
+    cached(bm, toks(30, 4))
+    assert taken(bm) == [("host", 0, "disk", 0), ("device", 0, "host", 0)]
+    assert events(bm) == [("write down", (0,), (0,), "disk", "host"),
+                          ("write down", (0,), (0,), "host", "device")]
+    assert registered(bm) == {"device": {0: (30, 31, 32, 33)},
+                              "host": {0: (20, 21, 22, 23), 1: (10, 11, 12, 13)},
+                              "disk": {0: (0, 1, 2, 3)}}
+    assert list(bm.host.cached_block_ids) == [1, 0]   # P1 is now the least recent
+    assert (bm.num_offloaded_blocks, bm.num_evictions) == (4, 0)
+
+
+def test_disk_full_drops_its_least_recent_block():
+    """With every tier full of cached blocks, the disk's least recent block is dropped (an
+    eviction: no copy), and its prefix is no longer found anywhere."""
+    bm = BlockManager(1, BS, num_cpu_blocks=1, num_disk_blocks=1)
+    for start in (0, 10, 20):                         # P0 on disk, P1 on host, P2 on device
+        cached(bm, toks(start, 4))
+    assert (bm.num_offloaded_blocks, bm.num_evictions) == (3, 0)
+    forget(bm)
+    cached(bm, toks(30, 4))
+    assert taken(bm) == [("host", 0, "disk", 0), ("device", 0, "host", 0)]
+    assert events(bm) == [("evict", (0,), (), "", "disk"),
+                          ("write down", (0,), (0,), "disk", "host"),
+                          ("write down", (0,), (0,), "host", "device")]
+    assert (bm.num_offloaded_blocks, bm.num_evictions) == (5, 1)
+    assert registered(bm) == {"device": {0: (30, 31, 32, 33)}, "host": {0: (20, 21, 22, 23)},
+                              "disk": {0: (10, 11, 12, 13)}}
+    assert where_is(bm, toks(0, 4)) == []
+
+
+def test_prompt_loads_its_prefix_from_host_and_disk():
+    """A prompt whose prefix sits one block on the host and one on disk loads both up, in
+    chain order, counts them as hits of their tiers, and the prefix then lives on the device
+    alone (a load moves it)."""
+    bm = BlockManager(3, BS, num_cpu_blocks=1, num_disk_blocks=1)
+    cached(bm, toks(0, 8))                            # A0 = 0-3, A1 = 4-7
+    cached(bm, toks(100, 12))                         # pushes A1 to disk, A0 to host
+    assert where_is(bm, toks(0, 4)) == [("host", 0)] and where_is(bm, toks(4, 4)) == [("disk", 0)]
+    assert bm.prefix_cache_hits == 0
+    loaded = bm.num_loaded_blocks
+    forget(bm)
+    c = alloc(bm, Sequence(toks(0, 8) + [99]))
+    assert c.block_table == [0, 1, 2] and c.num_cached_tokens == c.num_computed_tokens == 8
+    copies = taken(bm)
+    loads = [cp for cp in copies if cp[2] == "device"]
+    assert loads == [("host", 0, "device", 0), ("disk", 0, "device", 1)]
+    # each device block taken for c evicts a cached block of B's: the first is dropped (host
+    # and disk hold c's hits then), the later ones go down to the blocks the loads emptied
+    assert copies == [("host", 0, "device", 0), ("device", 1, "host", 0),
+                      ("disk", 0, "device", 1), ("host", 0, "disk", 0), ("device", 2, "host", 0)]
+    kinds = events(bm)
+    assert [e for e in kinds if e[0] in ("load", "prefix hit")] == [
+        ("load", (0,), (0,), "", "host"), ("load", (0,), (1,), "", "disk"),
+        ("prefix hit", (0, 1), (), "8", "device")]
+    assert dict(bm.tier_hits) == {"host": 4, "disk": 4} and bm.prefix_cache_hits == 8
+    assert bm.num_loaded_blocks - loaded == 2
+    assert where_is(bm, toks(0, 4)) == [("device", 0)]   # moved up: no copy left below
+    assert where_is(bm, toks(4, 4)) == [("device", 1)]
+    assert [bm.device.blocks[b].ref_count for b in c.block_table] == [1, 1, 1]
+    bm.free(c)
+    bm.check_invariants()
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_swap_out_pushes_cached_host_blocks_to_disk_but_never_swapped_ones():
+    """swap_out into a host full of cached blocks writes them down to disk first, where a later
+    prompt still finds them; a host full of a swapped request's blocks refuses the next one."""
+    bm = BlockManager(3, BS, num_cpu_blocks=3, num_disk_blocks=3)
+    cached(bm, toks(0, 12))                           # A: 3 blocks
+    b = computed(bm, Sequence(toks(100, 12)))         # pushes all of A to the host
+    assert sorted(registered(bm)["host"].values()) == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)]
+    assert bm.host.num_free_blocks == 3 and bm.can_swap_out(b)
+    forget(bm)
+    assert bm.swap_out(b) == [(0, 0), (1, 1), (2, 2)]
+    bm.check_invariants()
+    assert taken(bm) == [("host", 0, "disk", 0), ("device", 0, "host", 0),
+                         ("host", 1, "disk", 1), ("device", 1, "host", 1),
+                         ("host", 2, "disk", 2), ("device", 2, "host", 2)]
+    assert registered(bm)["host"] == {}               # the host holds b, unregistered
+    assert sorted(registered(bm)["disk"].values()) == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)]
+    assert bm.num_swapped_out_blocks == 3 and bm.num_evictions == 0
+    c = alloc(bm, Sequence(toks(0, 8) + [99]))        # A's first two blocks, from disk
+    assert c.num_cached_tokens == 8 and dict(bm.tier_hits) == {"disk": 8}
+    assert [cp[:2] for cp in taken(bm) if cp[2] == "device"] == [("disk", 2), ("disk", 1)]
+    assert b.block_table == [2, 1, 0] and [bm.host.blocks[i].ref_count for i in range(3)] == [1] * 3
+    assert bm.host.num_free_blocks == 0 and not bm.can_swap_out(c)
+    bm.free(c)
+    bm.free(b)
+    bm.check_invariants()
+    assert bm.num_free_blocks == bm.num_blocks and bm.host.num_free_blocks == 3
+
+
+class Worth:
+    """A stand-in for the engine's CostModel: which tiers below the device are worth loading."""
+
+    def __init__(self, host, disk):
+        self.worth = {"host": host, "disk": disk}
+
+    def worth_loading(self, tier):
+        return self.worth[tier]
+
+
+def test_tiers_not_worth_loading_are_neither_written_down_to_nor_read():
+    """When the cost rule says no tier below is worth loading from, an eviction drops the block
+    (nothing queued) and a prompt does not hit the prefix the host still holds."""
+    rule = Worth(True, True)
+    bm = BlockManager(2, BS, num_cpu_blocks=2, num_disk_blocks=2, cost=rule)
+    cached(bm, toks(0, 4))
+    cached(bm, toks(100, 8))                          # A (0-3) written down to the host
+    assert where_is(bm, toks(0, 4)) == [("host", 0)]
+    rule.worth = {"host": False, "disk": False}
+    forget(bm)
+    offloaded, evictions = bm.num_offloaded_blocks, bm.num_evictions
+    c = alloc(bm, Sequence(toks(0, 4) + [99]))
+    assert c.num_cached_tokens == 0 and not bm.tier_hits and bm.num_loaded_blocks == 0
+    assert taken(bm) == []                            # no load, no write-down
+    assert [e[0] for e in events(bm)] == ["evict", "evict"]
+    assert (bm.num_offloaded_blocks, bm.num_evictions - evictions) == (offloaded, 2)
+    assert where_is(bm, toks(0, 4)) == [("host", 0)]   # still there, only not used
+    bm.free(c)
+    bm.check_invariants()
+    rule.worth["host"] = True                         # worth it again: the same prompt hits
+    d = alloc(bm, Sequence(toks(0, 4) + [99]))
+    assert d.num_cached_tokens == 4 and taken(bm) == [("host", 0, "device", d.block_table[0])]
+    bm.free(d)
+    bm.check_invariants()
+
+
+def test_a_tier_not_worth_loading_is_skipped_on_the_way_down():
+    """With the host not worth loading from and the disk worth it, an evicted device block goes
+    straight to disk, and a prompt loads it from there."""
+    bm = BlockManager(2, BS, num_cpu_blocks=2, num_disk_blocks=2, cost=Worth(False, True))
+    cached(bm, toks(0, 4))
+    taken(bm)
+    cached(bm, toks(100, 8))
+    assert taken(bm) == [("device", 0, "disk", 0)]
+    assert registered(bm)["host"] == {} and where_is(bm, toks(0, 4)) == [("disk", 0)]
+    c = alloc(bm, Sequence(toks(0, 4) + [99]))
+    assert c.num_cached_tokens == 4 and dict(bm.tier_hits) == {"disk": 4}
+    bm.free(c)
+    bm.check_invariants()
+
+
+def test_colliding_hashes_never_hand_out_another_prompts_blocks_from_any_tier(monkeypatch):
+    """With every hash equal, a hit from any tier is still checked against tokens and parent:
+    each prompt gets exactly the blocks of its own prefix, and every load carries its tokens."""
+    monkeypatch.setattr(BlockManager, "compute_hash", staticmethod(lambda parent, tokens: 42))
+    bm = BlockManager(3, BS, num_cpu_blocks=2, num_disk_blocks=16)   # the disk drops nothing
+    X, Y, Z, W, V = (toks(10 * k, 4) for k in range(1, 6))
+    cached(bm, X + Y)
+    cached(bm, Z + W + V)
+    cached(bm, toks(200, 12))                         # pushes everything below the device
+    below = {t for tier in ("host", "disk") for t in registered(bm)[tier].values()}
+    assert below == {tuple(t) for t in (X, Y, Z, W, V)} and registered(bm)["device"]
+    # (prompt, tokens it may take from the cache): Y after Z is not Y after X, nor is W after X
+    cases = [(Z + Y + [1], 4), (X + W + [1], 4), (Y + X + [1], 0), (V + [1], 0),
+             (X + Y + [1], 8), (Z + W + [1], 8)]
+    for prompt, want in cases:
+        taken(bm)
+        seq = alloc(bm, Sequence(prompt))
+        assert seq.num_cached_tokens == want, prompt
+        for i, block_id in enumerate(seq.block_table[:want // BS]):
+            block = bm.device.blocks[block_id]
+            assert block.token_ids == tuple(prompt[BS * i:BS * (i + 1)]), (prompt, i)
+        for src_tier, _, dst_tier, dst in taken(bm):
+            if dst_tier == "device" and src_tier != "device":   # a load: into one of seq's hits
+                assert dst in seq.block_table[:want // BS], (prompt, dst)
+        bm.free(seq)
+        bm.check_invariants()
+    assert bm.num_loaded_blocks > 0 and set(bm.tier_hits) == {"host", "disk"}
+
+
+# ----------------------------------------------------------------------------------------------
+# The engine: a multi-turn chat whose histories outgrow the device pool
+
+CHAT = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+NUM_CHATS, NUM_TURNS = 4, 3
+
+
+def ids(seed, n):
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def chat(llm):
+    """4 chats, 3 turns each, taken in turn: a turn's prompt is the chat so far (the last prompt
+    and its greedy reply) and a new 4-token user message. Returns (replies, tokens a perfect
+    cache would find: every full block of each history written before)."""
+    prompts = [ids(c, 12) for c in range(NUM_CHATS)]
+    replies, hittable = [], 0
+    for turn in range(NUM_TURNS):
+        for c in range(NUM_CHATS):
+            reply = llm.generate([prompts[c]], CHAT)[0].outputs[0].token_ids
+            replies.append(reply)
+            history = prompts[c] + reply     # its last token's K/V are never written
+            prompts[c] = history + ids(100 + 10 * c + turn, 4)
+            if turn + 1 < NUM_TURNS:
+                hittable += (len(history) - 1) // BS * BS
+    return replies, hittable
+
+
+def test_chat_histories_come_back_from_host_and_disk_with_the_same_outputs(tmp_path):
+    """A 16-block device pool cannot keep the four chats' histories (32 blocks). A host that
+    holds them all makes every later turn compute only its new tokens; so does a small host with
+    a disk below it, from disk; the replies are the same in every configuration."""
+    configs = {"device": {}, "host": dict(num_cpu_blocks=64), "small host": dict(num_cpu_blocks=8),
+               "small host + disk": dict(num_cpu_blocks=8, num_disk_blocks=64,
+                                         disk_path=str(tmp_path / "kv.bin"))}
+    replies, stats = {}, {}
+    for name, kwargs in configs.items():
+        llm = checked(LLM("random:tiny", block_size=BS, num_blocks=16, **kwargs))
+        replies[name], hittable = chat(llm)
+        cost = llm.block_manager.cost   # as measured: a block's copy costs less than its tokens
+        assert all(cost.worth_loading(t) for t in ("host", "disk") if t in name), cost
+        stats[name] = llm.stats()
+        assert_no_block_held(llm)
+    assert all(r == replies["device"] for r in replies.values())
+    num_prompt_tokens = sum(12 + t * (CHAT.max_tokens + 4) for t in range(NUM_TURNS)) * NUM_CHATS
+    computed = {name: s["num_prefill_tokens_computed"] for name, s in stats.items()}
+    for name, s in stats.items():   # every prompt token is computed or found in the cache
+        assert computed[name] + s["prefix_cache_hits"] == num_prompt_tokens, name
+    # the device alone loses most histories; a host of 64 blocks keeps every one
+    assert stats["device"]["num_offloaded_blocks"] == stats["device"]["num_loaded_blocks"] == 0
+    assert stats["host"]["prefix_cache_hits"] == hittable
+    assert stats["host"]["host_prefix_cache_hits"] > 0 and stats["host"]["num_evictions"] == 0
+    assert computed["device"] > computed["small host"] > computed["host"]
+    # a host of 8 blocks alone loses histories too; with a disk below it loses none
+    assert stats["small host + disk"]["disk_prefix_cache_hits"] > 0
+    assert computed["small host + disk"] == computed["host"] == num_prompt_tokens - hittable
+    assert stats["small host + disk"]["num_evictions"] == 0
+    bytes_per_block = 2 * 2 * BS * 2 * 16 * 4   # K and V, 2 layers, 2 kv heads of 16, float32
+    assert (tmp_path / "kv.bin").stat().st_size == 64 * bytes_per_block
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input: refused before the model loads; on the command line, one line and exit status 2
+
+BAD_TIER_ARGUMENTS = {
+    "num_disk_blocks=-1": (dict(num_disk_blocks=-1), "num_disk_blocks"),
+    "num_disk_blocks=2.5": (dict(num_disk_blocks=2.5), "num_disk_blocks"),
+    "num_disk_blocks='8'": (dict(num_disk_blocks="8"), "num_disk_blocks"),
+    "num_disk_blocks=True": (dict(num_disk_blocks=True), "num_disk_blocks"),
+    "disk_path in no folder": (dict(num_disk_blocks=8, disk_path="/no/such/folder"), "disk_path"),
+    "disk_path a folder": (dict(num_disk_blocks=8, disk_path="/"), "disk_path"),
+    "disk_path not a str": (dict(num_disk_blocks=8, disk_path=3), "disk_path"),
+    "disk_path an existing file": (dict(num_disk_blocks=8, disk_path=__file__), "disk_path"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_TIER_ARGUMENTS))
+def test_bad_tier_argument_is_a_value_error_before_the_model_loads(monkeypatch, case):
+    """A bad disk tier size or path is a ValueError naming it, raised before any model loads."""
+    def no_loading(*args):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(nanopaged, "load_model", no_loading)
+    kwargs, word = BAD_TIER_ARGUMENTS[case]
+    with pytest.raises(ValueError, match=word):
+        LLM("random:tiny", block_size=BS, num_blocks=16, **kwargs)
+
+
+@pytest.mark.parametrize("argv", [["--num-disk-blocks", "-1"],
+                                  ["--num-disk-blocks", "8", "--disk-path", "/no/such/folder"]],
+                         ids=" ".join)
+def test_a_bad_tier_on_the_command_line_is_one_line_and_exit_status_2(argv):
+    """python nanopaged.py with a bad disk tier prints one line, `error:` and why, and exits 2."""
+    run = subprocess.run([sys.executable, "nanopaged.py", "--model", "random:tiny", *argv],
+                         cwd=ROOT, capture_output=True, text=True)
+    lines = run.stderr.strip().splitlines()
+    assert (run.returncode, len(lines)) == (2, 1), run.stderr
+    assert "error:" in lines[0] and "disk" in lines[0] and "Traceback" not in run.stderr
+    assert not run.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# Ctrl-C in the middle of a step's copies between the tiers
+
+
+class Tripwire(dict):
+    """llm.kv_caches that raises KeyboardInterrupt (as a Ctrl-C would) at its `left`-th look-up
+    once armed: copy_blocks looks up two caches per copy, before the copy is made."""
+    left = None
+
+    def __getitem__(self, tier):
+        if self.left is not None:
+            self.left -= 1
+            if self.left == 0:
+                self.left = None
+                raise KeyboardInterrupt
+        return super().__getitem__(tier)
+
+
+def test_ctrl_c_between_copies_of_loads_and_write_downs_leaves_the_engine_whole():
+    """A Ctrl-C after some of a step's queued loads and write-downs are made, before the rest,
+    leaves every invariant holding, and the same prompts then give an uninterrupted run's
+    replies (no block whose copy was not made is found in the cache)."""
+    def engine():
+        return checked(LLM("random:tiny", block_size=BS, num_blocks=16, num_cpu_blocks=8,
+                           num_disk_blocks=64))
+
+    want, _ = chat(engine())
+    llm = engine()
+    llm.kv_caches = Tripwire(llm.kv_caches)
+    copy_blocks, seen = llm.copy_blocks, []
+
+    def copy_blocks_tripped():   # armed once: the first step that loads and writes down
+        kinds = {(src == "device", dst == "device") for src, _, dst, _ in llm.block_manager.copies}
+        if not seen and {(False, True), (True, False)} <= kinds:
+            seen.append(list(llm.block_manager.copies))
+            llm.kv_caches.left = len(seen[0]) + 1   # in the middle: half the copies made
+        copy_blocks()
+
+    llm.copy_blocks = copy_blocks_tripped
+    with pytest.raises(KeyboardInterrupt):
+        chat(llm)
+    assert seen and len(seen[0]) >= 3
+    llm.block_manager.check_invariants()
+    assert_no_block_held(llm)   # the interrupted call's request is gone with its blocks
+    s = llm.stats()   # the undone step's hits are undone in every count
+    assert s["host_prefix_cache_hits"] + s["disk_prefix_cache_hits"] <= s["prefix_cache_hits"]
+    assert s["num_loaded_blocks"] * BS == s["host_prefix_cache_hits"] + s["disk_prefix_cache_hits"]
+    assert chat(llm)[0] == want
+    assert llm.stats()["num_loaded_blocks"] > 0
+    assert_no_block_held(llm)
+
+
+def test_the_disk_file_is_new_and_goes_with_its_engine(tmp_path):
+    """disk_path (a str or a Path) names a new file of num_disk_blocks blocks, removed with the
+    engine: two engines never share one, and no file outlives its engine."""
+    path = tmp_path / "kv.bin"
+    llm = LLM("random:tiny", block_size=4, num_blocks=16, num_disk_blocks=8, disk_path=path)
+    assert path.stat().st_size == llm.kv_caches["disk"].nbytes > 0
+    with pytest.raises(ValueError, match="disk_path"):   # taken: a second engine is refused
+        LLM("random:tiny", block_size=4, num_blocks=16, num_disk_blocks=8, disk_path=path)
+    del llm
+    gc.collect()
+    assert not path.exists()
