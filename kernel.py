@@ -11,14 +11,12 @@ Sequence i's q_len new tokens, q[qsl[i]:qsl[i+1]] with qsl = query_start_loc, ar
 its context_lens[i] tokens and attend causally to everything before them (q_len = 1 for a decode, a
 chunk for a prefill), with grouped-query attention (num_heads a multiple of num_kv_heads).
 
-Read it in order, as a Triton tutorial: the K/V write; the PyTorch reference (the CPU path and
-the kernel's oracle, held by the tests to plain attention); the Triton kernel; its launcher;
-dispatch, where the reading path ends; then flash-decoding's switch (num_kv_splits_for), the check
-and the benchmark. A first reading skips every NUM_SPLITS branch (flash-decoding's split, merge).
+Read it in order, as a Triton tutorial: the K/V write; the PyTorch reference (the CPU path and the
+kernel's oracle, held by the tests to plain attention); the Triton kernel; its launcher; dispatch,
+where the reading path ends; then flash-decoding's switch, the check and the benchmark.
 
     python kernel.py    checks the kernel against the reference over 36 shapes (CPU: interpreted,
-                        float32; CUDA: compiled, bfloat16); on CUDA it also times decode against
-                        the copy bandwidth and against contiguous SDPA
+                        float32; CUDA: compiled, bfloat16, then times decode against copy and SDPA)
 """
 import functools
 import os
@@ -50,18 +48,13 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_s
         if not members.any():
             continue
         starts = query_start_loc[:-1][members]                  # (seqs,) of this batch
-        lens = q_lens[members]
-        ctx = context_lens[members]
-        max_q = int(lens.max())
-        max_ctx = int(ctx.max())
+        lens, ctx = q_lens[members], context_lens[members]      # (seqs,) each
+        n, max_q, max_ctx = len(lens), int(lens.max()), int(ctx.max())
         tables = block_tables[members, :(max_ctx + block_size - 1) // block_size].long()
         # 1. the gather is where paging shows: logical block j of a sequence is physical
         #    tables[j]; each context comes out in order, padded to the longest
-        n = len(lens)
-        k = k_cache.index_select(0, tables.flatten()).view(n, -1, num_kv_heads, head_dim)
-        v = v_cache.index_select(0, tables.flatten()).view(n, -1, num_kv_heads, head_dim)
-        k = k[:, :max_ctx]                                      # (seqs, max_ctx, kv_heads, dim)
-        v = v[:, :max_ctx]
+        k = k_cache[tables].flatten(1, 2)[:, :max_ctx]          # (seqs, max_ctx, kv_heads, dim)
+        v = v_cache[tables].flatten(1, 2)[:, :max_ctx]
         # 2. each sequence's new tokens as rows 0 .. q_len - 1 (padding rows repeat a token)
         j = torch.arange(max_q, device=q.device)
         rows = (starts[:, None] + j).clamp(max=len(q) - 1)      # (seqs, max_q) indices into q
@@ -72,10 +65,9 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_s
         #    head are more rows of one attention over that head's K and V
         qg = q.index_select(0, rows.flatten()).view(n, max_q, num_kv_heads, group, head_dim)
         qg = qg.transpose(1, 2)                                 # (seqs, kv_heads, q, group, dim)
-        o = F.scaled_dot_product_attention(qg.flatten(2, 3),      # (seqs, kv_heads, q * group, dim)
-                                           k.transpose(1, 2), v.transpose(1, 2),
+        o = F.scaled_dot_product_attention(qg.flatten(2, 3), k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=mask.repeat_interleave(group, 1)[:, None],
-                                           scale=scale)
+                                           scale=scale)         # (seqs, kv_heads, q * group, dim)
         o = o.view(n, num_kv_heads, max_q, group, head_dim).transpose(1, 2).flatten(2, 3)
         # 4. back to the batch's flat order, without the padding rows
         keep = j < lens[:, None]                                # (seqs, max_q)
@@ -84,7 +76,6 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_s
 
 # ----------------------------------------------------------------------------------------------
 # The Triton kernel: one program per (sequence, KV head, tile of new tokens[, slice of context])
-#
 # Rows of a program are (new token, query head) pairs: the GROUP query heads that share one KV
 # head are handled together, so every K/V tile is loaded once for the whole group (grouped-query
 # attention saves bandwidth only if the kernel exploits it). The context is walked in tiles of
@@ -123,12 +114,9 @@ def paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,       # tokens per KV cache block
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,   # head_dim; rounded up to a power of 2
 ):
-    # (a first reading skips the NUM_SPLITS branches: flash-decoding, where several programs
-    # read one context in slices and their partial outputs are merged after the kernel)
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    tile = tl.program_id(2) // NUM_SPLITS
-    split = tl.program_id(2) % NUM_SPLITS
+    # (a first reading skips NUM_SPLITS: flash-decoding, several programs per context, merged after)
+    seq, kv_head = tl.program_id(0), tl.program_id(1)
+    tile, split = tl.program_id(2) // NUM_SPLITS, tl.program_id(2) % NUM_SPLITS
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     ctx = tl.load(context_lens_ptr + seq)
@@ -148,8 +136,7 @@ def paged_attention_kernel(
     # 2. the context this program reads: causal, so nothing past the tile's last token; in slices
     kv_end = tl.minimum(ctx, ctx - q_len + (tile + 1) * BLOCK_M)
     per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), NUM_SPLITS) * BLOCK_N
-    kv_lo = split * per_split
-    kv_hi = tl.minimum(kv_end, (split + 1) * per_split)
+    kv_lo, kv_hi = split * per_split, tl.minimum(kv_end, (split + 1) * per_split)
     m = tl.full([BLOCK_M * GROUP_PADDED], float("-inf"), tl.float32)   # running max of scores
     l = tl.zeros([BLOCK_M * GROUP_PADDED], tl.float32)                 # running sum of exp(s - m)
     acc = tl.zeros([BLOCK_M * GROUP_PADDED, BLOCK_D], tl.float32)      # running sum of p * V
@@ -184,8 +171,7 @@ def paged_attention_kernel(
     else:
         tl.store(out_ptr + split * stride_os + out_offs, out, mask=row_mask)
         lse = tl.where(l == 0.0, float("-inf"), m + tl.log(l_safe))
-        lse_offs = split * stride_ls + (q_start + t) * stride_lt + head
-        tl.store(lse_ptr + lse_offs, lse, mask=row_ok)
+        tl.store(lse_ptr + split * stride_ls + (q_start + t) * stride_lt + head, lse, mask=row_ok)
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
                            max_query_len=None, num_kv_splits=1, out=None):
@@ -199,13 +185,10 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, quer
     group = num_heads // num_kv_heads
     group_padded = triton.next_power_of_2(group)
     block_m = max(1, (16 if max_query_len == 1 else 64) // group_padded)
-    num_tiles = triton.cdiv(max_query_len, block_m)
-    grid = (block_tables.shape[0], num_kv_heads, num_tiles * num_kv_splits)
+    grid = (len(block_tables), num_kv_heads, triton.cdiv(max_query_len, block_m) * num_kv_splits)
     out = torch.empty_like(q) if out is None else out
-    partial = out                                          # one split: straight into out, no lse
-    lse = out.new_empty(1, 1, 1, dtype=torch.float32)
-    if num_kv_splits > 1:
-        # (splits, num_tokens, heads, head_dim) and (splits, num_tokens, heads)
+    partial, lse = out, out.new_empty(1, 1, 1, dtype=torch.float32)   # one split: into out, no lse
+    if num_kv_splits > 1:   # (splits, num_tokens, heads, head_dim) and (splits, num_tokens, heads)
         partial = q.new_empty(num_kv_splits, *q.shape, dtype=torch.float32)
         lse = q.new_empty(num_kv_splits, num_tokens, num_heads, dtype=torch.float32)
     paged_attention_kernel[grid](
@@ -242,14 +225,12 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
         raise ValueError("NANOPAGED_ATTENTION=triton on CPU tensors needs TRITON_INTERPRET=1")
     splits = 1
     if q.is_cuda:
-        max_context_len = max_context_len or int(context_lens.max())
-        splits = num_kv_splits_for(len(block_tables), k_cache.shape[2], max_context_len,
-                                   num_sms(q.device))
+        max_ctx = max_context_len or int(context_lens.max())
+        splits = num_kv_splits_for(len(block_tables), k_cache.shape[2], max_ctx, num_sms(q.device))
     return paged_attention_triton(*args, max_query_len, splits)
 
 # ==============================================================================================
-# reading path ends here: the reference, the kernel's block-table walk and the dispatch are above;
-# below, for a second reading, the flash-decoding switch, the check and the benchmark
+# reading path ends here; below, for a second reading: the flash-decoding switch, check, benchmark
 # ==============================================================================================
 
 def num_kv_splits_for(num_seqs, num_kv_heads, max_context_len, num_sms):
@@ -263,7 +244,6 @@ def num_kv_splits_for(num_seqs, num_kv_heads, max_context_len, num_sms):
 @functools.cache
 def num_sms(device):   # streaming multiprocessors: how many programs the GPU runs at once
     return torch.cuda.get_device_properties(device).multi_processor_count
-
 
 def random_case(seed=0, block_size=4, num_kv_heads=2, group=3, head_dim=16,
                 ctx_q=((13, 1), (7, 7), (20, 5), (1, 1)), dtype=torch.float32, device="cpu"):

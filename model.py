@@ -76,8 +76,6 @@ def rotary(x, cos, sin):
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
@@ -86,9 +84,9 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, k_cache, v_cache, batch):
         # x: (num_tokens, hidden); caches: (num_blocks, block_size, kv_heads, head_dim)
-        q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)      # (T, heads, head_dim)
-        k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)   # (T, kv_heads, head_dim)
-        v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        q = self.q_proj(x).unflatten(-1, (-1, self.head_dim))   # (T, heads, head_dim)
+        k = self.k_proj(x).unflatten(-1, (-1, self.head_dim))   # (T, kv_heads, head_dim)
+        v = self.v_proj(x).unflatten(-1, (-1, self.head_dim))
         q, k = rotary(q, cos, sin), rotary(k, cos, sin)
         # 1. every new token's K and V go into its slot, all of them before any query reads;
         # 2. each query reads its whole context from the pool, through its block table
@@ -151,8 +149,7 @@ class Llama(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: Batch, kv_cache: torch.Tensor) -> torch.Tensor:
-        """kv_cache: (2, num_layers, num_blocks, block_size, kv_heads, head_dim).
-        Returns (num_sampled, vocab) float32 logits."""
+        """kv_cache: (2, num_layers, num_blocks, block_size, kv_heads, head_dim)."""
         x = self.embed_tokens(batch.input_ids)                               # (T, hidden)
         freqs = batch.positions[:, None].float() * self.inv_freq[None, :]    # (T, head_dim / 2)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]                  # (T, 1, head_dim)
@@ -160,11 +157,10 @@ class Llama(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], batch)
         # logits (the vocabulary matmul) only for the last token of a sequence ending its chunk
-        return self.lm_head(self.norm(x[batch.logits_indices])).float()
+        return self.lm_head(self.norm(x[batch.logits_indices])).float()   # (num_sampled, vocab)
 
 # ==============================================================================================
-# reading path ends here: the model's use of the cache is above; below, for a second reading,
-# how its weights are loaded: transformers reads the files (GGUF, safetensors), we take its tensors
+# reading path ends here; below, weight loading: transformers reads the files, we take its tensors
 # ==============================================================================================
 
 # transformers' names for the ModelConfig fields it names differently

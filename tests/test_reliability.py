@@ -69,7 +69,7 @@ def test_pressure_run_finishes_everything_with_unconstrained_outputs(unconstrain
         assert stats["num_swapped_out_blocks"] == 0
     assert len(got) == 120 and got == want
     assert_no_block_held(llm)
-    assert llm.block_manager.host.num_free_blocks == llm.block_manager.num_cpu_blocks and not llm.block_manager.host.seqs
+    assert llm.block_manager.host.num_free_blocks == len(llm.block_manager.host.blocks) and not llm.block_manager.host.seqs
 
 
 def test_swap_and_recompute_give_identical_outputs(pressure_runs):
