@@ -20,9 +20,9 @@ one request travels, with every mechanism of its memory system.
                                   write, fork, free, eviction down the tiers, swap
   3. ScheduledBatch, Scheduler    which tokens run this step; preemption when blocks run out
   4. LLM                          the engine: block copies, tensors for the model, sampling, step
-After the line, for a second reading: 5. API guards, 6. invariant checks, 7. events and the debug
-log, 8. the cost rule (swap or recompute, load or recompute), 9. failure recovery, 10. sampling
-and beam search, 11. the live view, 12. the command line and its demos.
+After it, for a second reading: 5. API guards, 6. invariant checks, 7. events and the debug log,
+8. the cost rule, 9. failure recovery, 10. sampling and beam search, 11. the live view, 12. the
+command line and its demos.
 
     python nanopaged.py --live           watch the default demo: the pool, every block table
     python nanopaged.py --demo fork --trace    a plain-text snapshot per step, for handouts
@@ -202,17 +202,15 @@ class Pool:
 
 class BlockManager:
     """Hands out the blocks of three tiers, fastest first: the device pool, which attention reads;
-    the host pool, which holds swapped-out requests and the cached blocks evicted from the device;
-    the disk pool, which holds the cached blocks evicted from the host. Whoever writes K/V sets
-    seq.num_computed_tokens and calls cache_full_blocks(seq): later prompts find those blocks in
-    the prefix cache. Every K/V copy it decides is queued in `copies`, for the engine to make."""
+    the host pool (swapped-out requests, cached blocks evicted from the device); the disk pool
+    (cached blocks evicted from the host). Whoever writes K/V calls cache_full_blocks(seq) after;
+    every K/V copy decided here is queued in `copies`, for the engine to make."""
 
     def __init__(self, num_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=True,
                  events=None, num_disk_blocks=0, cost=None):
         check_pool_args(num_blocks, block_size, num_cpu_blocks, num_disk_blocks)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.num_cpu_blocks = num_cpu_blocks   # the host pool's size, by vLLM's name
         self.enable_prefix_caching = enable_prefix_caching
         self.events = events or EventLog()   # what happened, for the view and the debug log
         self.cost = cost   # which tiers are worth loading from (section 8); None: all of them
@@ -253,19 +251,16 @@ class BlockManager:
         return seq.block_hashes[i]
 
     def _registered(self, tiers, h, tokens, parent_prefix_id):
-        """[(tier, block)]: the blocks of these tiers registered as the prefix (h, tokens) that
-        follows the prefix parent_prefix_id. A hash can collide and tokens say nothing of what
-        came before, but a prefix named by its parent's id and its own tokens is one prefix."""
+        """[(tier, block)] registered as the prefix (h, tokens) after prefix parent_prefix_id: a
+        hash may collide, but a parent's prefix id and a block's own tokens name one prefix."""
         found = [(t, t.blocks[b]) for t in tiers for b in t.hash_to_block_ids.get(h, ())]
         return [(t, b) for t, b in found if (b.token_ids, b.parent_prefix_id) == (tokens,
                                                                                   parent_prefix_id)]
 
     def _cache_hits(self, seq):
-        """[(tier, block)]: the registered blocks that hold seq's prefix, found by one walk along
-        its hash chain, each in whichever tier holds it: the device, or a tier below where
-        loading a block costs less than recomputing it. A prefix is named by a prefix_id, not by
-        a block id: block ids are reused after an eviction, prefix ids never. Copies of a prefix
-        (computed by two requests in one step, or written down and computed again) share one."""
+        """[(tier, block)] holding seq's prefix, found by one walk along its hash chain, each in
+        the tier that holds it (below the device: where loading costs less than recomputing). A
+        prefix is named by a prefix_id, never reused (block ids are); its copies share it."""
         hits = []
         prefix_id = None   # the prefix matched so far (None: nothing yet)
         tiers = [t for t in self.tiers if self._worth_loading(t)]
@@ -291,9 +286,8 @@ class BlockManager:
         return self.device.num_free_blocks
 
     def _free_block(self, pool):
-        """A free block of pool. With none free, the cached block freed longest ago is evicted:
-        written down to the next tier below with room (and worth loading from), where it stays
-        in the prefix cache, the most recently used there; dropped where there is none."""
+        """A free block of pool; with none, the cached block freed longest ago is evicted: written
+        down to the next tier with room (and worth loading from), cached there; else dropped."""
         if not pool.free_block_ids:
             block = pool.blocks[pool.cached_block_ids.popitem(last=False)[0]]
             lower = self.tiers[self.tiers.index(pool) + 1:]
@@ -336,8 +330,8 @@ class BlockManager:
             self.events.record_ref(pool, "free", seq, block)
 
     def _load(self, pool, block, seq):
-        """Move a cached block of a lower tier, which seq holds, up into a device block of seq's:
-        its K/V are copied up, its place in the prefix cache goes with them. Returns that id."""
+        """Move a lower tier's block that seq holds up into a new device block (returned): its K/V
+        are copied up, its place in the prefix cache goes with them."""
         block_id = self._take_block(self.device, seq)
         self.copies.append((pool.name, block.block_id, "device", block_id))
         self._register(self.device, self.device.blocks[block_id], block.entry)
@@ -365,8 +359,7 @@ class BlockManager:
 
     def can_allocate(self, seq, watermark=0, siblings=()):
         """Would allocating seq, then forking each sibling from it, leave `watermark` blocks free?
-        A hit on a held device block takes none from the free count; any other hit one (a cached
-        device block comes back to life; a block below is loaded into a fresh one)."""
+        A hit on a held device block takes no free block; any other hit takes one."""
         hits = self._cache_hits(seq)
         need = self._num_blocks_for(len(seq)) - sum(b.ref_count > 0 for _, b in hits)
         for s in siblings:
@@ -423,10 +416,8 @@ class BlockManager:
         return None
 
     def fork(self, parent, child, num_blocks=None):
-        """child shares parent's first num_blocks blocks (all by default): no K/V is copied, each
-        block's ref_count goes up, and fresh blocks hold the rest of child's tokens. A sample
-        forked as it is drawn shares everything (it has parent's tokens, all computed); a
-        recomputed sample shares what it has in common with its leader, which computes it."""
+        """child shares parent's first num_blocks blocks (all by default): no K/V copied, their
+        ref_counts go up, fresh blocks hold the rest (a recomputed sample's, with its leader)."""
         shared = parent.block_table[:num_blocks]
         for block_id in shared:
             self._hold(self.device, self.device.blocks[block_id], child)
@@ -450,8 +441,8 @@ class BlockManager:
     # -- the prefix cache: a full, computed block is registered, so later prompts find it
 
     def cache_full_blocks(self, seq):
-        """Register seq's blocks that are full and computed in the prefix cache (after a step).
-        Only then may another request reuse them: their K/V are in place and will never change."""
+        """Register seq's full, computed blocks in the prefix cache (after a step): only then,
+        their K/V in place for good, may another request reuse them."""
         if not self.enable_prefix_caching:
             return
         end = seq.num_computed_tokens // self.block_size
@@ -490,9 +481,8 @@ class BlockManager:
         return len(distinct) <= self.host.num_free_blocks   # cached host blocks go down to disk
 
     def can_swap_in(self, *seqs, watermark=0):
-        """Room for the sequences' distinct blocks and for what their next step writes: a new
-        block for each whose last block is full; for a shared last block, a copy for each writer
-        but the last holder, who writes it in place (copy-on-write, as in append_slot)."""
+        """Room for the distinct blocks and what the next step writes: a new block for each whose
+        last is full; a copy per writer of a shared last block but one (as in append_slot)."""
         writers = [s for s in seqs if len(s) > s.num_computed_tokens]
         distinct = {b for s in seqs for b in s.block_table}
         new = sum(self._needs_new_block(s) for s in writers)
@@ -513,8 +503,7 @@ class BlockManager:
         return pairs
 
     def _move(self, seqs, src, dst, kind):
-        """Repoint seqs' block tables from pool src to pool dst: each distinct block gets one
-        block of dst, which every table that held it holds. Tail first, as in free()."""
+        """Repoint seqs' tables from src to dst, a dst block per distinct block (tail first)."""
         mapping = {}   # block id in src -> block id in dst
         for block_id in (b for seq in seqs for b in reversed(seq.block_table)):
             if block_id not in mapping:   # all taken before any is let go: none taken twice
@@ -602,8 +591,7 @@ class Scheduler:
     @staticmethod
     def _ready(seq):
         """Has seq tokens to compute, with the K/V it reads in place? Not a beam waiting for its
-        request's round (all its tokens are computed), nor a recomputed sample whose leader has
-        not yet computed the blocks they share (see _admit)."""
+        round, nor a recomputed sample whose leader has not computed their shared blocks yet."""
         leader = seq.waits_for
         behind_leader = leader is not None and leader.num_computed_tokens < seq.num_computed_tokens
         return not behind_leader and len(seq) > seq.num_computed_tokens
@@ -666,11 +654,10 @@ class Scheduler:
         return batch
 
     def _admit(self, request, batch):
-        """Allocate a waiting request's blocks, all its sequences at once. A new request is one
-        sequence. A recomputed n>1 or beam request comes back shared: its samples fork again
-        from the first one, the leader, sharing the leading blocks that hold the same tokens. The
-        leader computes those (the one time a block with ref_count > 1 is written: once, before
-        anybody reads it); the others wait for it (waits_for), then compute only their own."""
+        """Allocate a waiting request's blocks, all its sequences at once. A recomputed n>1 or
+        beam request's samples fork again from the first, the leader, sharing the blocks of equal
+        tokens; the leader computes those (the one write to a block with ref_count > 1, before
+        anybody reads it), the others wait for it (waits_for), then compute their own."""
         leader, *others = request.seqs
         self.block_manager.allocate(leader)
         for seq in others:
@@ -945,9 +932,9 @@ class LLM:
         return batch
 
     def copy_blocks(self):
-        """Make the block manager's queued copies in order, each one block's K and V in all
-        layers, between any two tiers. Blocking: a host block written from the device may be
-        read for the disk in the same step. A copy leaves the queue once made (section 9)."""
+        """Make the queued copies in order, each one block's K and V in all layers, between any
+        two tiers; blocking (a host block written from the device may then be read for the disk).
+        A copy leaves the queue once made (section 9)."""
         copies = self.block_manager.copies
         while copies:
             src_tier, src, dst_tier, dst = copies[0]
