@@ -1,7 +1,6 @@
 """
-bench.py: the claims of paging, measured on this machine beside baselines: seven experiments
-(memory, throughput, prefix, sharing, block_size, preemption, multiturn), each a table and a
-conclusion in plain words.
+bench.py: the claims of paging, measured on this machine beside baselines, in seven experiments
+(memory, throughput, prefix, sharing, block_size, preemption, multiturn): a table and a conclusion.
 
     python bench.py                    every experiment, the default model
     python bench.py --quick            smaller workloads, a few minutes (what fresh-check runs)
@@ -49,8 +48,8 @@ def corpus(llm):
         return llm.tokenizer.encode(f.read(), add_special_tokens=False)
 
 def mixed_workload(llm, num_requests, seed=0, sample_every=0):
-    """Prompts of 16 to 256 tokens, greedy outputs of 8 to 128 (eos off, so that every engine
-    makes exactly the tokens asked for); sample_every: every so many, n=2 samples instead."""
+    """Prompts of 16-256 tokens, greedy outputs of 8-128 (eos off: every engine makes as many);
+    sample_every: every so many, n=2 samples instead."""
     rng = random.Random(seed)
     text = corpus(llm)
     prompts, params = [], []
@@ -231,55 +230,47 @@ def preemption(args):
            ", ".join(f"{r[0]} {'yes' if r[4] else 'NO'}" for r in rows) + ".")
 
 def multiturn(args):
-    """Chats whose every turn sends the whole history and a new 32-token message (16 tokens
-    back), one request at a time, the chats in turn: the device pool holds two histories, the
-    rest must wait below or be recomputed. Device only; a host tier for all; a small host
-    (a quarter of them); that and a disk tier. TTFT: from add_requests to the first token."""
+    """Chats, each turn the whole history and a new 32-token message (16 tokens back), one request
+    at a time, the chats in turn, in a device pool of two histories. TTFT: from add_requests."""
     num_chats, num_turns = (4, 4) if args.quick else (8, 5)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     num_blocks = 2 * (num_turns * 48 + 15) // 16   # two chats' last turns
-    small = num_chats * num_blocks // 8   # a quarter of the chats' blocks
+    quarter = num_chats * num_blocks // 8   # host blocks for a quarter of the chats
     configs = {"device only": {}, "+ host": dict(num_cpu_blocks=num_chats * num_blocks),
-               "+ 1/4 host": dict(num_cpu_blocks=small),
-               "+ 1/4 host, disk": dict(num_cpu_blocks=small, num_disk_blocks=4 * num_blocks)}
-    rows, outputs = [], []
-    LLM(args.model, device=args.device).generate([[1] * 64], params)   # warm-up: not timed
+               "+ 1/4 host": dict(num_cpu_blocks=quarter), "+ 1/4 host, disk":
+               dict(num_cpu_blocks=quarter, num_disk_blocks=4 * num_blocks)}
+    LLM(args.model, device=args.device, num_blocks=num_blocks).generate([[1] * 64], params)  # warm
+    rows, want = [], None
     for name, pools in configs.items():
         llm = LLM(args.model, device=args.device, num_blocks=num_blocks, **pools)
-        text = corpus(llm)
-        chats, ttft, got = [[] for _ in range(num_chats)], [], []
+        text, chats, outs = corpus(llm), [[] for _ in range(num_chats)], []
         t0 = time.perf_counter()
-        for i in range(num_turns * num_chats):
-            chat = chats[i % num_chats]
-            chat += text[997 * i:997 * i + 32]   # the user's message, then the reply
-            [out] = llm.generate([chat], params)
-            chat += out.outputs[0].token_ids
-            ttft.append(out.ttft)
-            got.append(out.outputs[0].token_ids)
+        for i in range(num_turns * num_chats):   # a chat's new message, then the reply
+            chats[i % num_chats] += text[997 * i:997 * i + 32]
+            outs += llm.generate([chats[i % num_chats]], params)
+            chats[i % num_chats] += outs[-1].outputs[0].token_ids
         seconds = time.perf_counter() - t0
-        s, cost = llm.stats(), llm.block_manager.cost
-        below = [s["host_prefix_cache_hits"], s["disk_prefix_cache_hits"]]
-        hits = [s["prefix_cache_hits"] - sum(below)] + below   # tokens found in each tier
-        rows.append((name, s["num_prefill_tokens_computed"],
-                     " ".join(f"{h / s['prefix_cache_queries']:.0%}" for h in hits), mean(ttft),
-                     s["num_generated_tokens"] / seconds, got == (outputs or [got])[0]))
-        outputs.append(got)
-    bytes_per_block = llm.kv_cache[:, :, 0].nbytes
-    gbps = {t: bytes_per_block / cost.seconds_per_block[t] / 1e9 for t in ("host", "disk")}
-    rule = ", ".join(f"{t} {v:.1f} GB/s ({'load' if cost.worth_loading(t) else 'recompute'})"
+        s, cost, tiers = llm.stats(), llm.block_manager.cost, ("host", "disk")
+        below = [s[f"{t}_prefix_cache_hits"] for t in tiers]   # tokens found below, by tier
+        hits = [s["prefix_cache_hits"] - sum(below), *below]
+        rates = " ".join(f"{h / s['prefix_cache_queries']:.0%}" for h in hits)
+        want = want or chats
+        rows.append((name, s["num_prefill_tokens_computed"], rates, mean(o.ttft for o in outs),
+                     s["num_generated_tokens"] / seconds, chats == want))
+    gbps = {t: llm.kv_cache[:, :, 0].nbytes / cost.seconds_per_block[t] / 1e9 for t in tiers}
+    rule = ", ".join(f"{t} {v:.1f} GB/s: {'load' if cost.worth_loading(t) else 'recompute'}"
                      for t, v in gbps.items())
     report("multiturn", f"{num_chats} chats of {num_turns} turns, {num_blocks} device blocks",
            ["tiers", "prefill computed", "hits: device host disk", "mean ttft (s)", "tokens/s",
             "same outputs"], rows,
-           f"With a host tier the engine computes {1 - rows[1][1] / rows[0][1]:.0%} fewer prompt "
-           f"tokens and the first token comes {rows[0][3] / rows[1][3]:.1f}x sooner; a small host "
-           f"computes {rows[2][1]}, with a disk {rows[3][1]}. Copies measured at start: {rule}; "
-           f"recomputing a block costs up to {1e3 * cost.block_size * cost.seconds_per_token:.0f} "
-           f"ms (the steps' average). On a CPU the device is host memory too, and the disk file "
-           f"may sit in the page cache.")
+           f"With a host tier {1 - rows[1][1] / rows[0][1]:.0%} fewer prompt tokens are computed, "
+           f"the first token comes {rows[0][3] / rows[1][3]:.1f}x sooner; a quarter host computes "
+           f"{rows[2][1]}, with a disk {rows[3][1]}. Tiers timed at start: {rule} (a block's "
+           f"recompute: {1e3 * cost.block_size * cost.seconds_per_token:.0f} ms at most). On a "
+           f"CPU the device is host memory too; the disk file may sit in the page cache.")
 
 EXPERIMENTS = {f.__name__: f for f in (memory, throughput, prefix, sharing, block_size, preemption,
-                                              multiturn)}
+                                       multiturn)}
 
 if __name__ == "__main__":
     p = nanopaged.ArgumentParser(description="nanopaged benchmark: the claims of paging, measured")

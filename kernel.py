@@ -7,12 +7,10 @@ walks that table. One function serves prefill chunks and decodes in the same bat
 
     out = paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
 
-Sequence i's q_len new tokens, q[qsl[i]:qsl[i+1]] with qsl = query_start_loc, are the last q_len of
-its context_lens[i] tokens and attend causally to everything before them (q_len = 1 for a decode, a
-chunk for a prefill), with grouped-query attention (num_heads a multiple of num_kv_heads).
-
-Read it in order, as a Triton tutorial: the K/V write; the PyTorch reference (the CPU path and the
-kernel's oracle, held by the tests to plain attention); the Triton kernel; its launcher; dispatch,
+Sequence i's q_len new tokens, q[qsl[i]:qsl[i+1]] (qsl = query_start_loc), are the last of its
+context_lens[i] tokens and attend causally to all before them (q_len 1: a decode; more: a prefill
+chunk), with grouped-query attention. Read it in order, as a Triton tutorial: the K/V write; the
+PyTorch reference (the CPU path and the kernel's oracle); the Triton kernel; its launcher; dispatch,
 where the reading path ends; then flash-decoding's switch, the check and the benchmark.
 
     python kernel.py    checks the kernel against the reference over 36 shapes (CPU: interpreted,
@@ -249,8 +247,7 @@ def random_case(seed=0, block_size=4, num_kv_heads=2, group=3, head_dim=16,
                 ctx_q=((13, 1), (7, 7), (20, 5), (1, 1)), dtype=torch.float32, device="cpu"):
     """A random pool and a batch mixing decodes and prefill chunks, ctx_q: (context_len, new tokens)
     per sequence. Distinct blocks per sequence, shuffled, so that a wrong table lookup shows."""
-    g = torch.Generator().manual_seed(seed)
-    num_seqs = len(ctx_q)
+    g, num_seqs = torch.Generator().manual_seed(seed), len(ctx_q)
     max_blocks = max((c + block_size - 1) // block_size for c, _ in ctx_q)
     # (num_blocks, block_size, kv_heads, head_dim), 3 blocks more than the tables use
     shape = (num_seqs * max_blocks + 3, block_size, num_kv_heads, head_dim)

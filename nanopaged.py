@@ -96,11 +96,9 @@ class Sequence:
 
     def __len__(self):
         return len(self.token_ids)
-
     @property
     def num_output_tokens(self):
         return len(self.token_ids) - self.num_prompt_tokens
-
     @property
     def output_token_ids(self):
         return self.token_ids[self.num_prompt_tokens:]
@@ -115,7 +113,6 @@ class Sequence:
 
     def append_token(self, token_id):
         self.token_ids.append(token_id)
-
     def fork(self, index=0):
         """Sample `index` (or a beam) of its request, on this one's blocks: BlockManager.fork."""
         child = Sequence(self.token_ids, self.request_id, index)
@@ -129,20 +126,16 @@ class RequestStatus(Enum):
     FINISHED = "finished"
 
 class Request:
-    """One prompt and its params: the unit the scheduler admits, preempts and swaps, always whole
-    (all its samples or beams). It starts as one sequence; n>1 samples fork from it as they draw
-    their first tokens (Scheduler.postprocess)."""
-
+    """One prompt and its params: the unit the scheduler admits, preempts and swaps, always whole.
+    It starts as one sequence; n>1 samples fork from it as they draw their first tokens."""
     def __init__(self, request_id, token_ids, params, seed):
-        self.request_id = request_id
-        self.params = params
+        self.request_id, self.params = request_id, params
         self.prompt_token_ids = list(token_ids)
         self.status = RequestStatus.WAITING
         self.seqs = [Sequence(token_ids, request_id)]   # live sequences, in the order they forked
         self.finished = []     # sequences that ended: samples to return, beams that were dropped
         self.hypotheses = []   # beam search: BeamHypothesis records, the candidates for the output
-        # one random stream per sample, so that a sample's draws never depend on the schedule
-        # (which samples shared a step, who was preempted): sample i always draws from stream i
+        # sample i draws from stream i alone: its draws never depend on the schedule (preemptions)
         sampling = not self.is_beam_search and params.temperature > 0
         self.generators = [torch.Generator().manual_seed((seed * 1_000_003 + i) % 2**63)
                            for i in range(params.n)] if sampling else []
@@ -152,7 +145,6 @@ class Request:
     @property
     def is_beam_search(self):
         return isinstance(self.params, BeamSearchParams)
-
     @property
     def past_first_token(self):   # has it sampled its first token (where n>1 samples fork)?
         return bool(self.finished) or self.seqs[0].num_output_tokens > 0
@@ -186,7 +178,6 @@ class Pool:
     """One tier of blocks of one shape: the device pool, the host pool or the disk pool. Each
     block is used (ref_count > 0), cached (ref_count 0 but registered in the prefix cache: its
     K/V reusable until evicted) or free, and moves between these in O(1)."""
-
     def __init__(self, name, num_blocks):
         self.name = name
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -205,51 +196,43 @@ class BlockManager:
     the host pool (swapped-out requests, cached blocks evicted from the device); the disk pool
     (cached blocks evicted from the host). Whoever writes K/V calls cache_full_blocks(seq) after;
     every K/V copy decided here is queued in `copies`, for the engine to make."""
-
     def __init__(self, num_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=True,
                  events=None, num_disk_blocks=0, cost=None):
         check_pool_args(num_blocks, block_size, num_cpu_blocks, num_disk_blocks)
-        self.num_blocks = num_blocks
-        self.block_size = block_size
+        self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.events = events or EventLog()   # what happened, for the view and the debug log
         self.cost = cost   # which tiers are worth loading from (section 8); None: all of them
         self.tiers = [Pool("device", num_blocks), Pool("host", num_cpu_blocks),
                       Pool("disk", num_disk_blocks)]
         self.device, self.host, self.disk = self.tiers
-        # K/V copies to make before the model runs, in the order decided (a later one may
-        # overwrite what an earlier one reads): (src tier, src block, dst tier, dst block)
+        # K/V copies to make before the model runs, in decision order (a later one may overwrite
+        # what an earlier one reads): (src tier, src block, dst tier, dst block)
         self.copies = deque()
         self.prefix_ids = itertools.count()
         # metrics, counted as they happen (vLLM's names where vLLM has one)
         self.prefix_cache_queries = 0    # tokens looked up
         self.prefix_cache_hits = 0       # tokens found, in any tier
         self.tier_hits = Counter()       # tier -> tokens found there (the device's not counted)
-        self.num_cow_copies = 0
         self.num_evictions = 0           # cached blocks dropped: their K/V lost to the cache
         self.num_offloaded_blocks = 0    # cached blocks written down a tier
         self.num_loaded_blocks = 0       # cached blocks read back up to the device
-        self.num_swapped_out_blocks = 0
-        self.num_swapped_in_blocks = 0
+        self.num_cow_copies = self.num_swapped_out_blocks = self.num_swapped_in_blocks = 0
 
     # -- the hash chain: h[i] = H(h[i-1], tokens of block i), so one dictionary look-up per tier
     #    finds a block that ends a given prefix. Hashes can collide; _cache_hits checks them.
-
     @staticmethod
     def compute_hash(parent_hash, token_ids):
         # the first block hashes its tokens alone, not (None, *tokens): before Python 3.12
         # hash(None) changes from run to run; tuples of ints hash the same every run
         return hash(tuple(token_ids) if parent_hash is None else (parent_hash, *token_ids))
-
     def _tokens(self, seq, i):
         return tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-
     def _block_hash(self, seq, i):
         for j in range(len(seq.block_hashes), i + 1):
             parent_hash = seq.block_hashes[-1] if j else None
             seq.block_hashes.append(self.compute_hash(parent_hash, self._tokens(seq, j)))
         return seq.block_hashes[i]
-
     def _registered(self, tiers, h, tokens, parent_prefix_id):
         """[(tier, block)] registered as the prefix (h, tokens) after prefix parent_prefix_id: a
         hash may collide, but a parent's prefix id and a block's own tokens name one prefix."""
@@ -258,9 +241,8 @@ class BlockManager:
                                                                                   parent_prefix_id)]
 
     def _cache_hits(self, seq):
-        """[(tier, block)] holding seq's prefix, found by one walk along its hash chain, each in
-        the tier that holds it (below the device: where loading costs less than recomputing). A
-        prefix is named by a prefix_id, never reused (block ids are); its copies share it."""
+        """[(tier, block)] holding seq's prefix, found by one walk along its hash chain, each where
+        it is (below the device: if loading beats recomputing). A prefix_id is never reused."""
         hits = []
         prefix_id = None   # the prefix matched so far (None: nothing yet)
         tiers = [t for t in self.tiers if self._worth_loading(t)]
@@ -280,7 +262,6 @@ class BlockManager:
         return tier is self.device or self.cost is None or self.cost.worth_loading(tier.name)
 
     # -- taking and returning single blocks, in any tier
-
     @property
     def num_free_blocks(self):
         return self.device.num_free_blocks
@@ -312,7 +293,6 @@ class BlockManager:
         block.ref_count = 1
         self.events.record_ref(pool, "allocate", seq, block)
         return block.block_id
-
     def _hold(self, pool, block, seq):
         if block.ref_count == 0:   # a cached block comes back to life (a block just taken is
             pool.cached_block_ids.pop(block.block_id, None)   # in no list)
@@ -342,14 +322,11 @@ class BlockManager:
         return block_id
 
     # -- whole sequences
-
     def _num_blocks_for(self, num_tokens):
         return (num_tokens + self.block_size - 1) // self.block_size
-
     def _take_blocks_for_all_tokens(self, seq):
         for _ in range(self._num_blocks_for(len(seq)) - len(seq.block_table)):
             seq.block_table.append(self._take_block(self.device, seq))
-
     def num_shared(self, leader, seq):
         """Blocks seq can share with leader, its sibling: the leading blocks that hold the same
         tokens in both, before the block of either one's last token (its writer's own)."""
@@ -390,12 +367,10 @@ class BlockManager:
     def _needs_new_block(self, seq):
         # the next step writes the K/V of seq's last token; its block may not exist yet
         return (len(seq) - 1) // self.block_size == len(seq.block_table)
-
     def _needs_copy(self, seq):
         # ... or exist but be shared, and a block with ref_count > 1 is never written
         last = seq.block_table[-1]
         return not self._needs_new_block(seq) and self.device.blocks[last].ref_count > 1
-
     def can_append(self, seq):
         return self.num_free_blocks > 0 or not (self._needs_new_block(seq) or self._needs_copy(seq))
 
@@ -439,15 +414,14 @@ class BlockManager:
         seq.block_table = []
 
     # -- the prefix cache: a full, computed block is registered, so later prompts find it
-
     def cache_full_blocks(self, seq):
         """Register seq's full, computed blocks in the prefix cache (after a step): only then,
         their K/V in place for good, may another request reuse them."""
         if not self.enable_prefix_caching:
             return
         end = seq.num_computed_tokens // self.block_size
-        # registered blocks form a prefix of the table (blocks are computed in order, and a hit
-        # or a fork hands out a registered prefix): walk back to where registration stops
+        # registered blocks are a prefix of the table (computed in order; hits and forks hand out
+        # registered prefixes): walk back to where registration stops
         start = end
         while start > 0 and self.device.blocks[seq.block_table[start - 1]].hash is None:
             start -= 1
@@ -475,7 +449,6 @@ class BlockManager:
 
     # -- swapping: a request's sequences move between the device and the host together, each
     #    distinct block once, so that the blocks they share stay shared
-
     def can_swap_out(self, *seqs):
         distinct = {b for s in seqs for b in s.block_table}
         return len(distinct) <= self.host.num_free_blocks   # cached host blocks go down to disk
@@ -495,7 +468,6 @@ class BlockManager:
         pairs = self._move(seqs, self.device, self.host, "swap out")
         self.num_swapped_out_blocks += len(pairs)
         return pairs
-
     def swap_in(self, *seqs):
         """Move seqs back to the device pool. Returns [(host_block, device_block)]."""
         pairs = self._move(seqs, self.host, self.device, "swap in")
@@ -519,10 +491,8 @@ class BlockManager:
         return list(mapping.items())
 
     # -- what the metrics read, and the rules, checked
-
     def num_used_blocks(self):
         return self.num_blocks - self.num_free_blocks
-
     def check_invariants(self):
         check_block_manager(self)   # (section 6)
 
@@ -540,30 +510,25 @@ class ScheduledBatch:
     @property
     def num_tokens(self):
         return sum(e.num_new_tokens for e in self.entries)
-
     @property
     def is_full(self):
         return self.num_tokens == self.budget
-
     def add(self, request, seq):
         # a prompt longer than what is left of the budget is computed in chunks (chunked prefill)
         chunk = min(len(seq) - seq.num_computed_tokens, self.budget - self.num_tokens)
         self.entries.append(ScheduledSeq(request, seq, chunk))
-
     def remove(self, request):
         self.entries = [e for e in self.entries if e.request is not request]
 
 class Scheduler:
     """First come, first served continuous batching of requests under a token budget per step
     (schedule() tells the order); a sequence short of a block preempts the newest request."""
-
     def __init__(self, block_manager, max_num_seqs=256, max_num_batched_tokens=2048,
                  watermark=0.01, eos_token_ids=(), preemption_mode="auto"):
         self.block_manager = block_manager   # (LLM checks the arguments, before the model loads)
         self.events = block_manager.events   # one log for the pool and the schedule
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.preemption_mode = preemption_mode
         # admitting a prompt leaves this many blocks free, so the next decodes need not preempt
         self.watermark_blocks = int(watermark * block_manager.num_blocks)
@@ -574,19 +539,18 @@ class Scheduler:
 
     def add(self, request):
         self.waiting.append(request)
-
     def has_unfinished(self):
         return bool(self.waiting or self.running or self.swapped)
-
     def _fits(self, request):
         return sum(r.max_num_running_seqs for r in [*self.running, request]) <= self.max_num_seqs
-
     def _watermark(self):   # with nothing running no decode can starve: a request may fill the pool
         return self.watermark_blocks if self.running else 0
-
-    def _start_running(self, request):
+    def _start_running(self, request, batch):   # its sequences with tokens to compute join batch
         request.status = RequestStatus.RUNNING
         bisect.insort(self.running, request, key=lambda r: r.request_id)
+        for seq in request.seqs:
+            if self._ready(seq) and not batch.is_full:
+                self._schedule_seq(request, seq, batch)
 
     @staticmethod
     def _ready(seq):
@@ -614,17 +578,15 @@ class Scheduler:
         bm = self.block_manager
         batch = ScheduledBatch(self.max_num_batched_tokens)
         num_preemptions = self.num_preemptions
-        # 1. running requests first, oldest first, so that the decodes keep a steady pace: each
-        #    sequence's next token, or its prompt's next chunk. The budget may run out in the
-        #    middle of a request (its samples may then differ by a token for a step)
+        # 1. running requests, oldest first, so that decodes keep a steady pace: each sequence's
+        #    next token or chunk (a budget run out mid-request leaves its samples a token apart)
         for request in list(self.running):
             for seq in filter(self._ready, request.seqs):
                 if request.status is not RequestStatus.RUNNING or batch.is_full:
                     break   # preempted (by itself, or by an older request's need), or no budget
                 if self._make_room(request, seq, batch):
                     self._schedule_seq(request, seq, batch)
-        # nothing comes back in a step that preempted: the blocks it freed are the ones the
-        # running requests need next, and a request let in now would be preempted again at once
+        # a step that preempted lets nobody in: running requests need the blocks it freed next
         if self.num_preemptions > num_preemptions:
             return batch
         # 2. swapped requests, before any waiting one: nobody overtakes a preempted request
@@ -635,10 +597,7 @@ class Scheduler:
                 break
             self.swapped.pop(0)
             bm.swap_in(*request.seqs)
-            self._start_running(request)
-            for seq in request.seqs:
-                if self._ready(seq) and not batch.is_full:
-                    self._schedule_seq(request, seq, batch)
+            self._start_running(request, batch)
         # 3. waiting requests, first come first served, while nothing is swapped out
         while self.waiting and not self.swapped and not batch.is_full:
             request = self.waiting[0]
@@ -663,11 +622,9 @@ class Scheduler:
         for seq in others:
             self.block_manager.fork(leader, seq, self.block_manager.num_shared(leader, seq))
             seq.waits_for = leader
-        self._start_running(request)
         for seq in request.seqs:
             seq.prefill_until = len(seq)
-            if self._ready(seq) and not batch.is_full:
-                batch.add(request, seq)
+        self._start_running(request, batch)
 
     def _choose_mode(self, request):
         bm = self.block_manager
@@ -698,8 +655,7 @@ class Scheduler:
         for seq in request.seqs:
             self.block_manager.free(seq)
             seq.num_computed_tokens = 0
-            seq.logprobs = None   # a beam computes its log-probs again
-            seq.waits_for = None
+            seq.logprobs = seq.waits_for = None   # a beam computes its log-probs again
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
@@ -731,8 +687,7 @@ class Scheduler:
         return child
 
     def finish(self, request, seq, reason):
-        seq.finish_reason = reason
-        seq.finish_time = time.perf_counter()
+        seq.finish_reason, seq.finish_time = reason, time.perf_counter()
         self.events.record("finish", [seq.seq_id], seq.block_table, note=reason)
         self.block_manager.free(seq)
         request.seqs.remove(seq)
@@ -756,7 +711,6 @@ StepReport = namedtuple("StepReport", "step batch events stats seconds")
 class LLM:
     """The engine: owns the model, the KV cache pools, the block manager and the scheduler.
     generate() adds requests and runs step() (one batch through the model) until they finish."""
-
     def __init__(self, model=None, device=None, dtype=None, block_size=16, num_blocks=None,
                  num_cpu_blocks=0, num_disk_blocks=0, disk_path=None, enable_prefix_caching=True,
                  max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=None,
@@ -773,7 +727,7 @@ class LLM:
         # a block holds K and V of block_size tokens in every layer: one block id serves all layers
         kv_size = cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
         bytes_per_block = 2 * cfg.num_layers * block_size * kv_size
-        # the pool by default: on CUDA most of what the weights leave free (as vLLM's
+        # the pool by default: on CUDA 80% of what the weights leave free (vLLM's
         # gpu_memory_utilization), on a CPU 1 GiB
         if num_blocks is None:
             budget = 0.8 * torch.cuda.mem_get_info(self.device)[0] if cuda else 1 << 30
@@ -785,8 +739,7 @@ class LLM:
         # (2, num_layers, num_blocks, block_size, kv_heads, head_dim): K and V of every block
         shape = (2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        # the tiers below, of the same block shape: host memory (pinned on CUDA, for fast
-        # copies) and a file on disk, mapped into memory; (2, num_layers, n, block_size, ...)
+        # the tiers below, same shape: host memory (pinned on CUDA), a file mapped into memory
         host_shape, disk_shape = (shape[:2] + (n,) + shape[3:]
                                   for n in (num_cpu_blocks, num_disk_blocks))
         self.kv_caches = {"device": self.kv_cache,
@@ -806,12 +759,9 @@ class LLM:
         self.seed = seed
         self.request_ids = itertools.count()
         self.requests = {}   # request_id -> Request, until its output is returned
-        self.num_steps = 0
-        self.num_prefill_tokens_computed = 0
-        self.num_generated_tokens = 0
+        self.num_steps = self.num_prefill_tokens_computed = self.num_generated_tokens = 0
 
     # -- requests in
-
     def max_blocks_needed(self, num_prompt_tokens, params):
         """The most blocks a request holds at once: its prompt's full blocks, shared by all n (even
         after a preemption), and each one's own at full length. Alone in a pool this big it ends."""
@@ -838,10 +788,8 @@ class LLM:
         """prompts: a string, a list of strings or of token-id lists; params: one for all, or one
         per prompt; live: watch it in the terminal (View). Returns a RequestOutput per prompt."""
         return self._run(prompts, params, SamplingParams, live)
-
     def beam_search(self, prompts, params, live=False):
-        """Keep the beam_width most likely continuations of each prompt (section 10). Returns one
-        BeamSearchOutput per prompt, its sequences best first."""
+        """The beam_width likeliest continuations of each prompt: a BeamSearchOutput per prompt."""
         return self._run(prompts, params, BeamSearchParams, live)
 
     def _run(self, prompts, params, kind, live):
@@ -881,7 +829,6 @@ class LLM:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
 
     # -- one step
-
     def step(self):
         """One engine step (the story is in _step); one that raises is undone first (section 9)."""
         require(self.scheduler.has_unfinished(), "step(): nothing to run; add_requests() first")
@@ -932,9 +879,8 @@ class LLM:
         return batch
 
     def copy_blocks(self):
-        """Make the queued copies in order, each one block's K and V in all layers, between any
-        two tiers; blocking (a host block written from the device may then be read for the disk).
-        A copy leaves the queue once made (section 9)."""
+        """Make the queued copies in order, each a block's K and V in all layers, blocking (a host
+        block written from the device may be read for the disk next); made, it leaves the queue."""
         copies = self.block_manager.copies
         while copies:
             src_tier, src, dst_tier, dst = copies[0]
@@ -987,7 +933,6 @@ class LLM:
 def require(ok, message):   # a ValueError saying what is wrong and what is allowed
     if not ok:
         raise ValueError(message)
-
 def is_int(x):
     return isinstance(x, int) and not isinstance(x, bool)   # True is an int to Python, not to us
 def is_number(x):   # a finite int or float
@@ -1001,7 +946,6 @@ def check_seed(seed):
 MIN_TEMPERATURE = 0.01   # logits / temperature overflow float32 near 1e-38; 0 means greedy
 MIN_TOP_P = 1e-6         # top_p is compared with float32 probabilities, where 1e-300 is 0
 MAX_LENGTH_PENALTY = 10  # 131072 ** 10 is about 1e51: no overflow, no division by zero
-
 def check_sampling_params(p):
     t = p.temperature
     require(is_number(t) and (t == 0 or t >= MIN_TEMPERATURE),
@@ -1014,26 +958,15 @@ def check_sampling_params(p):
     require_bool("ignore_eos", p.ignore_eos)
     if p.seed is not None:
         check_seed(p.seed)
-
-def check_beam_search_params(p):
-    require_int("beam_width", p.beam_width, 1)
-    require_int("max_tokens", p.max_tokens, 1)
-    lp, bound = p.length_penalty, MAX_LENGTH_PENALTY   # length ** lp must stay a float
-    require(is_number(lp) and abs(lp) <= bound,
-            f"length_penalty must be a number in [-{bound}, {bound}], got {lp!r}")
-    require_bool("ignore_eos", p.ignore_eos)
-
 def check_pool_args(num_blocks, block_size, num_cpu_blocks, num_disk_blocks=0):
     require(is_int(block_size) and block_size >= 1 and not block_size & (block_size - 1),
             f"block_size must be a positive power of two (1, 2, 4, ... 16 ...), got {block_size!r}")
     require_int("num_blocks", num_blocks, 1)
     require_int("num_cpu_blocks", num_cpu_blocks, 0)
     require_int("num_disk_blocks", num_disk_blocks, 0)
-
-def check_engine_args(model, device, dtype, block_size, num_blocks, num_cpu_blocks,
-                      num_disk_blocks, disk_path, enable_prefix_caching, max_num_seqs,
-                      max_num_batched_tokens, max_model_len, preemption_mode, seed, swap_space,
-                      debug_blocks):
+def check_engine_args(model, device, dtype, block_size, num_blocks, num_cpu_blocks, num_disk_blocks,
+                      disk_path, enable_prefix_caching, max_num_seqs, max_num_batched_tokens,
+                      max_model_len, preemption_mode, seed, swap_space, debug_blocks):
     check_pool_args(1 if num_blocks is None else num_blocks, block_size, num_cpu_blocks,
                     num_disk_blocks)
     path = os.path.abspath(disk_path) if isinstance(disk_path, (str, os.PathLike)) else "/"
@@ -1065,14 +998,12 @@ def check_engine_args(model, device, dtype, block_size, num_blocks, num_cpu_bloc
             "preemption_mode='swap' needs a host pool: num_cpu_blocks > 0 or swap_space (GiB)")
     check_seed(seed)
     require_bool("debug_blocks", debug_blocks)
-
 def require_memory(num_bytes, what):   # refused as "<what> this machine's memory (N GiB)"
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError):   # the system does not say: no check
         return
     require(num_bytes <= ram, f"{what} this machine's memory ({ram >> 30} GiB)")
-
 def check_loaded_model(llm, max_model_len, preemption_mode, num_cpu_blocks, swap_space,
                        num_disk_blocks, disk_path, bytes_per_block):
     """What can only be checked once the model is known: its length, its block size in bytes."""
@@ -1087,7 +1018,6 @@ def check_loaded_model(llm, max_model_len, preemption_mode, num_cpu_blocks, swap
             f"max_model_len {max_model_len} exceeds the model's {longest}")
     require(preemption_mode != "swap" or num_cpu_blocks >= 1,
             f"swap_space {swap_space} GiB holds no block of {bytes_per_block} bytes")
-
 def tokenize(llm, prompt):
     if isinstance(prompt, str):
         require(llm.tokenizer is not None,
@@ -1096,7 +1026,6 @@ def tokenize(llm, prompt):
     require(isinstance(prompt, (list, tuple)),
             f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
     return list(prompt)
-
 def checked_requests(llm, prompts, params, kind):   # [(token_ids, params)], all checked
     one_prompt = isinstance(prompts, (list, tuple)) and prompts and is_int(prompts[0])
     if isinstance(prompts, str) or one_prompt:
@@ -1114,7 +1043,6 @@ def checked_requests(llm, prompts, params, kind):   # [(token_ids, params)], all
     for token_ids, p in requests:
         validate_request(llm, token_ids, p)
     return requests
-
 def validate_request(llm, token_ids, params):
     vocab = llm.model.config.vocab_size
     max_num_seqs = llm.scheduler.max_num_seqs
@@ -1150,31 +1078,28 @@ def check_block_manager(bm):   # BlockManager.check_invariants: each rule, asser
                 f"cached: {pool.name} block {b.block_id} is cached without a hash, or free with one"
             assert pool is bm.device or b.hash is None or not b.ref_count, \
                 f"hash map: {pool.name} block {b.block_id} is held (swapped) and registered"
-        for h, bucket in pool.hash_to_block_ids.items():
-            assert bucket and all(pool.blocks[b].hash == h for b in bucket), \
-                f"hash map: {pool.name}: {h} lists another's block"
         registered = [b for b in pool.blocks if b.hash is not None]
-        assert len(registered) == sum(map(len, pool.hash_to_block_ids.values())), \
-            f"hash map: a {pool.name} block carries a hash the map does not know"
+        listed = {(h, b) for h, bucket in pool.hash_to_block_ids.items() for b in bucket}
+        carried = {(b.hash, b.block_id) for b in registered}   # the map lists these, no others
+        assert listed == carried and all(pool.hash_to_block_ids.values()), \
+            f"hash map: {pool.name} lists (hash, block) {listed - carried}, not {carried - listed}"
         for b in registered:   # copies of one prefix, in any tier, are one prefix
             prefix = prefixes.setdefault(b.prefix_id, (b.hash, b.token_ids, b.parent_prefix_id))
             assert prefix == (b.hash, b.token_ids, b.parent_prefix_id), \
                 f"hash map: prefix {b.prefix_id} names two prefixes ({pool.name} {b.block_id})"
     seq_ids = [s for pool in bm.tiers for s in pool.seqs]
     assert len(seq_ids) == len(set(seq_ids)), "partition: a seq's table points into two tiers"
-    blocks = bm.device.blocks
     for seq in bm.device.seqs.values():   # a registered block holds the prefix of all its holders
         for i, block_id in enumerate(seq.block_table):
-            block = blocks[block_id]
-            parent = blocks[seq.block_table[i - 1]] if i else None
+            block = bm.device.blocks[block_id]
+            parent = bm.device.blocks[seq.block_table[i - 1]] if i else None
             assert block.hash is None or parent is None or parent.hash is not None, \
                 f"hash map: seq {seq.seq_id} block {i} ({block_id}) follows an unregistered block"
             assert block.hash is None or (block.token_ids, block.hash, block.parent_prefix_id) == (
                 bm._tokens(seq, i), bm._block_hash(seq, i), parent.prefix_id if parent else None), \
                 f"hash map: seq {seq.seq_id} block {i} ({block_id}) is another prefix's"
-    for seq in [s for pool in bm.tiers for s in pool.seqs.values()]:
-        sizes = (bm._num_blocks_for(len(seq)), bm._num_blocks_for(len(seq) - 1))
-        assert len(seq.block_table) in sizes, \
+    for seq in [s for pool in bm.tiers for s in pool.seqs.values()]:   # the newest may lack a slot
+        assert len(seq.block_table) in {bm._num_blocks_for(len(seq) - d) for d in (0, 1)}, \
             f"block table: seq {seq.seq_id}: {len(seq.block_table)} blocks, {len(seq)} tokens"
 
 # ----------------------------------------------------------------------------------------------
@@ -1184,7 +1109,6 @@ def _ids(xs):   # '0-3, 7, 12' for the event log: a run of three or more ids as 
     groups = itertools.groupby(enumerate(xs), lambda p: p[1] - p[0])   # x - i: one per run
     runs = [[x for _, x in group] for _, group in groups]
     return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
-
 EVENT_WORDS = {   # the plain words of each kind of event, for the debug log and the live view
     "prefix hit": "seq {seqs} finds blocks {blocks} in the prefix cache ({note} tokens)",
     "fork": "seq {seqs} forks from seq {note}: blocks {blocks} shared",
@@ -1206,7 +1130,6 @@ EVENT_WORDS = {   # the plain words of each kind of event, for the debug log and
     "register": "seq {seqs} registers block {blocks} in the prefix cache (prefix {note})",
 }
 DEBUG_KINDS = frozenset(["allocate", "ref+1", "ref-1", "cache", "free", "register"])
-
 @dataclass(frozen=True)
 class Event:
     step: int
@@ -1220,7 +1143,6 @@ class Event:
     def words(self):
         return EVENT_WORDS[self.kind].format(seqs=_ids(self.seq_ids), blocks=_ids(self.block_ids),
                                              to=_ids(self.to_ids), note=self.note, tier=self.tier)
-
 @dataclass
 class EventLog:   # what the block manager and the scheduler did, taken after each step
     debug: bool = False   # keep the debug kinds too: one event per ref-count change
@@ -1231,16 +1153,13 @@ class EventLog:   # what the block manager and the scheduler did, taken after ea
         if self.debug or kind not in DEBUG_KINDS:
             self.records.append(Event(self.step, kind, tuple(seq_ids), tuple(block_ids),
                                       tuple(to_ids), str(note), tier))
-
     def record_ref(self, pool, kind, seq, block):   # a debug kind: a ref-count change
         if self.debug:   # (no string is made per ref-count change otherwise)
             note = f"{pool.name} tier, ref {block.ref_count}"
             self.record(kind, [seq.seq_id], [block.block_id], note=note)
-
     def take(self):
         records, self.records = self.records, []
         return records
-
 def engine_stats(llm):   # LLM.stats(): fractions and counts, named as vLLM names them
     bm = llm.block_manager
     used = bm.num_used_blocks()
@@ -1259,7 +1178,6 @@ def engine_stats(llm):   # LLM.stats(): fractions and counts, named as vLLM name
         "num_prefill_tokens_computed": llm.num_prefill_tokens_computed,
         "num_generated_tokens": llm.num_generated_tokens,
     }
-
 def num_stored_tokens(bm):   # distinct token slots holding K/V in used blocks: shared ones once
     filled = {}
     for seq in bm.device.seqs.values():
@@ -1267,7 +1185,6 @@ def num_stored_tokens(bm):   # distinct token slots holding K/V in used blocks: 
             n = min(bm.block_size, max(0, seq.num_written_tokens - i * bm.block_size))
             filled[block_id] = max(filled.get(block_id, 0), n)
     return sum(filled.values())
-
 def print_debug_log(report):   # the debug log (debug_blocks=True): an on_step callback
     for e in report.events:
         print(f"step {e.step:5}  {e.kind:10}  {e.words()}", file=sys.stderr)
@@ -1281,16 +1198,14 @@ def print_debug_log(report):   # the debug log (debug_blocks=True): an on_step c
 @dataclass
 class CostModel:
     """Recomputing costs tokens * seconds_per_token, the steps' average (an upper estimate: a
-    step's fixed cost is spread over its tokens); copying costs blocks * seconds_per_block of
-    the tier, timed when the engine starts. A swap copies each block twice, a load once."""
+    step's fixed cost is spread over its tokens); copying costs blocks * seconds_per_block."""
     block_size: int
     seconds_per_block: dict          # tier -> seconds to copy one block between it and the device
     seconds_per_token: float = 0.0   # 0 until the first step is measured
 
     @classmethod
     def measure(cls, llm, block_size):
-        """Times copies of a few blocks down to each tier and back, the fastest of three rounds
-        (the first warms up; a busy machine slows some); observe (on_step) keeps the rest."""
+        """Times a few blocks' copies to each tier and back: the fastest of 3 rounds (warm-up)."""
         device = llm.kv_caches["device"]
         seconds = {"device": 0.0}
         for tier in ("host", "disk"):
@@ -1309,28 +1224,22 @@ class CostModel:
         cost = cls(block_size, seconds)
         llm.on_step.append(cost.observe)
         return cost
-
     def observe(self, report):   # a moving average, set by the first step
         weight = 0.1 if self.seconds_per_token else 1.0
         per_token = report.seconds / report.batch.num_tokens
         self.seconds_per_token += weight * (per_token - self.seconds_per_token)
-
     def worth_loading(self, tier):   # a block's copy up against recomputing its tokens
         return self.seconds_per_block[tier] < self.block_size * self.seconds_per_token
-
     def cheaper_mode(self, bm, request):
-        # what a recompute computes: the first sequence whole, the others past what they share
-        leader = request.seqs[0]
+        leader = request.seqs[0]   # a recompute computes it whole, the others past what they share
         num_tokens = len(leader) + sum(len(s) - bm.block_size * bm.num_shared(leader, s)
                                        for s in request.seqs[1:])
         num_blocks = len({b for s in request.seqs for b in s.block_table})
-        swap_seconds = 2 * num_blocks * self.seconds_per_block["host"]
+        swap_seconds = 2 * num_blocks * self.seconds_per_block["host"]   # out, then back in
         return "swap" if swap_seconds < num_tokens * self.seconds_per_token else "recompute"
-
 def open_disk_pool(llm, path, shape):
-    """The disk tier's K/V: a new file of this shape mapped into memory, so that a copy in or out
-    is the operating system's write or read (whose page cache may keep it in memory); by default
-    a temporary file. It is removed when the engine is: nothing in it outlives the engine."""
+    """The disk tier's K/V: a new file (by default a temporary one) mapped into memory, so that a
+    copy is the OS's write or read (its page cache may keep it); removed with the engine."""
     if not shape[2]:   # no disk tier
         return torch.zeros(shape, dtype=llm.dtype)
     if path is None:
@@ -1351,20 +1260,16 @@ def open_disk_pool(llm, path, shape):
 def copy_state(obj):   # an object's attributes; the lists, deques, Counters a step edits, copied
     return {k: copy.copy(v) if isinstance(v, (list, deque, Counter)) else v
             for k, v in vars(obj).items()}
-
 class Undo:
     def __init__(self, llm):
-        self.llm = llm
-        sched = llm.scheduler
-        # the requests it can touch: running, swapped, and the waiting ones it can admit or try
+        self.llm, sched = llm, llm.scheduler
         room = sched.max_num_seqs - sum(r.max_num_running_seqs for r in sched.running)
-        waiting = itertools.islice(sched.waiting, max(0, room) + 1)
-        requests = [*sched.running, *sched.swapped, *waiting]
+        waiting = itertools.islice(sched.waiting, max(0, room) + 1)   # those it can admit, or try
+        requests = [*sched.running, *sched.swapped, *waiting]   # the requests it can touch
         objects = [llm, sched, llm.block_manager, llm.events, *requests,
                    *(s for r in requests for s in r.seqs)]
         self.states = [(obj, copy_state(obj)) for obj in objects]
         self.random_states = [(g, g.get_state()) for r in requests for g in r.generators]
-
     def restore(self):
         with interrupts_held():   # a Ctrl-C now waits until the engine is whole again
             sched, bm = self.llm.scheduler, self.llm.block_manager
@@ -1393,7 +1298,6 @@ class Undo:
                 for seq in request.seqs:
                     seq.block_table = []
                 sched._recompute(request)
-
 @contextlib.contextmanager
 def interrupts_held():   # Ctrl-C (SIGINT: only the main thread gets it) waits, then raises
     if threading.current_thread() is not threading.main_thread():
@@ -1407,7 +1311,6 @@ def interrupts_held():   # Ctrl-C (SIGINT: only the main thread gets it) waits, 
         signal.signal(signal.SIGINT, previous)
         if caught:
             signal.raise_signal(signal.SIGINT)   # to the handler that was there before
-
 def abort(llm, request_ids):   # drop a failed call's requests wherever they are, and their blocks
     with interrupts_held():
         for request in [llm.requests.pop(r) for r in request_ids if r in llm.requests]:
@@ -1437,7 +1340,6 @@ def sample(logits, request, i):
         drop = torch.zeros_like(drop).scatter(0, order, drop)   # back in vocabulary order
         logits = logits.masked_fill(drop, float("-inf"))
     return int(torch.multinomial(logits.softmax(-1), 1, generator=request.generators[i]))
-
 @dataclass(frozen=True)
 class BeamSearchParams:
     beam_width: int
@@ -1445,9 +1347,13 @@ class BeamSearchParams:
     length_penalty: float = 1.0   # score = cum_logprob / length ** length_penalty (beam_output)
     ignore_eos: bool = False
 
-    def __post_init__(self):
-        check_beam_search_params(self)
-
+    def __post_init__(self):   # the API guards of section 5
+        require_int("beam_width", self.beam_width, 1)
+        require_int("max_tokens", self.max_tokens, 1)
+        lp, bound = self.length_penalty, MAX_LENGTH_PENALTY   # length ** lp must stay a float
+        require(is_number(lp) and abs(lp) <= bound,
+                f"length_penalty must be a number in [-{bound}, {bound}], got {lp!r}")
+        require_bool("ignore_eos", self.ignore_eos)
     @property
     def n(self):   # the most sequences the request holds at once: what the pool is sized by
         return self.beam_width
@@ -1456,14 +1362,12 @@ class BeamSearchParams:
 # candidate completes a hypothesis, the beam_width best others live on: a beam chosen twice forks
 # (ref_count + 1, no copy), one not chosen is freed, and the beams' common prefix stays shared.
 
-# a candidate: a beam, one of its next tokens, and the beam's log-probability with it; a
-# hypothesis: a beam that ended (eos, or max_tokens). beam_search() returns sequences best first
+# a hypothesis: a beam that ended (eos, or max_tokens); beam_search() returns sequences best first
 BeamCandidate = namedtuple("BeamCandidate", "cum_logprob beam token")
 BeamHypothesis = namedtuple("BeamHypothesis", "token_ids cum_logprob finish_reason")
 BeamSearchOutput = namedtuple("BeamSearchOutput", "request_id prompt_token_ids sequences")
 BeamSearchSequence = namedtuple("BeamSearchSequence",
                                 "token_ids text cum_logprob score finish_reason")
-
 def beam_round(scheduler, request):   # one round, as above; returns how many tokens it adds
     params = request.params
     candidates = []
@@ -1492,13 +1396,11 @@ def beam_round(scheduler, request):   # one round, as above; returns how many to
             request.hypotheses.append(hypothesis)
             scheduler.finish(request, beam, "length")
     return len(chosen)
-
 def beam_output(llm, request):   # the best by vLLM's score, whose length counts no ending eos
-    params = request.params
     def score(h):
         length = len(request.prompt_token_ids) + len(h.token_ids) - (h.finish_reason == "stop")
-        return h.cum_logprob / length ** params.length_penalty
-    best = sorted(request.hypotheses, key=score, reverse=True)[:params.beam_width]
+        return h.cum_logprob / length ** request.params.length_penalty
+    best = sorted(request.hypotheses, key=score, reverse=True)[:request.params.beam_width]
     sequences = [BeamSearchSequence(h.token_ids, llm._detokenize(h.token_ids), h.cum_logprob,
                                     score(h), h.finish_reason) for h in best]
     # an eos ends a hypothesis without joining a beam: it counts only if it is returned
@@ -1510,13 +1412,10 @@ def beam_output(llm, request):   # the best by vLLM's score, whose length counts
 
 def printable(text):   # never raw: a newline as a space, other control characters escaped
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text.replace("\n", " "))
-
 def wrapped(text, width, style=None, indent=2):   # rows of at most width columns, nothing cut
     rows = textwrap.wrap(text, width, subsequent_indent=" " * indent, break_on_hyphens=False)
     return [Text(row, style) for row in rows]
-
 HOLDER_COLOURS = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "orange3"]
-
 def table_text(pool, block_table, width):
     """A block table in width columns: runs of ids as first-last (*: shared), its middle as (+k)."""
     shared = lambda b: "*" if pool[b].ref_count > 1 else ""
@@ -1532,15 +1431,12 @@ def table_text(pool, block_table, width):
         if len(text) + 2 <= width:
             break
     return f"[{text}]"
-
 class View:
     """Draws the engine after every step (an on_step callback); live: in place, on the terminal's
     screen (the last frame stays), else a trace. `with View(llm): llm.generate(...)`."""
-
     def __init__(self, llm, live=True, console=None, delay=0.0, svg=None, svg_step=None,
                  wait=False):
-        self.llm = llm
-        self.live = live
+        self.llm, self.live = llm, live
         # a trace is plain text of a fixed width, so that runs with the same seed print the same
         self.console = console or (Console(highlight=False) if live else
                                    Console(highlight=False, color_system=None, width=80))
@@ -1550,17 +1446,14 @@ class View:
         self.svg_step = svg_step    # the step to save; None: the first with the most events
         self.svg_frame = (-1, None)   # (events, frame)
         self.events = deque(maxlen=1000)   # recent story events (debug kinds are not shown)
-        self.last_frame = None
+        self.rich_live = self.last_frame = None   # while live: rich's Live, the frame it shows
         self.draw_seconds = 0.0     # time spent drawing: the view's own cost
-        self.rich_live = None
-
     def __enter__(self):
         self.llm.on_step.append(self)
         if self.live:   # the terminal's own screen: what was printed before (loading) stays off it
             self.rich_live = Live(console=self.console, auto_refresh=False, screen=True)
             self.rich_live.start()
         return self
-
     def __exit__(self, *exc):
         self.llm.on_step.remove(self)
         if self.rich_live is not None:
@@ -1569,7 +1462,6 @@ class View:
                 self.console.print(self.last_frame)
         if self.svg and self.svg_frame[1] is not None:
             save_svg(self.svg_frame[1], self.svg, self.console.width)
-
     def __call__(self, report):
         t0 = time.perf_counter()
         story = [e for e in report.events if e.kind not in DEBUG_KINDS]
@@ -1587,7 +1479,6 @@ class View:
         time.sleep(self.delay * (1 + len(story)))
         if self.wait:
             sys.stdin.readline()   # Enter: the next step
-
     def frame(self, report, events, height=None):
         """The engine after a step, in rows that fit the width. With a height (a live terminal)
         the events take the rows left: this step's that fit, a count of the rest, then older."""
@@ -1612,10 +1503,8 @@ class View:
                 break
             shown = event_rows + shown
         return Group(*top, *seqs, *shown)
-
     def metrics(self, report, width):   # the pool's fill, then what the memory system did so far
-        s = report.stats
-        bm = self.llm.block_manager
+        s, bm = report.stats, self.llm.block_manager
         first = (f"step {report.step} | usage {s['kv_cache_usage_perc']:.0%} "
                  f"({bm.num_used_blocks()}/{bm.num_blocks} blocks) | cached "
                  f"{len(bm.device.cached_block_ids)} | occupancy {s['token_occupancy_perc']:.0%}"
@@ -1628,7 +1517,6 @@ class View:
                        f"{s['num_loaded_blocks']} (host {s['host_prefix_cache_hits']} tokens, "
                        f"disk {s['disk_prefix_cache_hits']})")
         return wrapped(first, width) + wrapped(second, width)
-
     def batch(self, batch, width):   # prefill chunks beside decodes (postprocess: seqs past them)
         ran = [(s, s.num_computed_tokens - n, n) for _, s, n in batch.entries]   # (seq, start, n)
         parts = [f"seq {s.seq_id} prefill {start}-{start + n - 1} of {s.prefill_until}"
@@ -1637,7 +1525,6 @@ class View:
         parts += [f"seqs {_ids(decodes)} decode"] * bool(decodes)
         tokens = f"{batch.num_tokens} token" + "s" * (batch.num_tokens != 1)
         return wrapped(f"ran {tokens}: " + " | ".join(parts), width)
-
     def _cells(self, blocks, seqs, per_cell):   # a cell per per_cell blocks: see the key in pools()
         holders = {}   # block id -> ids of the requests whose tables hold it
         for seq in seqs:
@@ -1658,7 +1545,6 @@ class View:
                 cells.append(str(b.ref_count) if b.ref_count < 10 else "+",
                              f"bold {hue}" if b.ref_count > 1 else hue)
         return cells
-
     def pools(self, width, max_rows):   # each tier's rows of cells, then the key to every symbol
         tiers = [pool for pool in self.llm.block_manager.tiers if pool.blocks]
         n = 64 if width >= 76 else 32   # cells a row
@@ -1674,10 +1560,8 @@ class View:
         if folds:
             key += f" | {', '.join(folds)}: █ all used, ▒ some used, · some cached, . all free"
         return lines + wrapped(key, width, "dim")
-
     def sequences(self, width, max_rows):   # a row per live sequence: K/V written, table, text
-        bm = self.llm.block_manager
-        sched = self.llm.scheduler
+        bm, sched = self.llm.block_manager, self.llm.scheduler
         rows = [(r, s) for r in [*sched.running, *sched.swapped, *sched.waiting] for s in r.seqs]
         header = f"{'seq':>5} {'req':>4}  {'state':<8} {'K':>4}/{'V':<4}  {'block table':<26} text"
         lines = [Text(header, "bold")]
@@ -1693,11 +1577,9 @@ class View:
         if len(rows) > max_rows:
             lines.append(Text(f"  ... and {len(rows) - max_rows} more sequences", "dim"))
         return lines
-
 SVG_CHAR_WIDTH = 20 * 0.61   # rich's SVG: 20-pixel characters of Fira Code's aspect ratio
 SVG_RUN = re.compile(r'x="([\d.]+)" (y="[\d.]+") textLength="([\d.]+)"([^>]*)>'
                      r'((?:&#160;)*)(.*?)((?:&#160;)*)</text>')
-
 def save_svg(frame, path, width):
     """The frame as an SVG image, each run of text at its column: rsvg-convert drops a run's
     leading and trailing spaces (&#160;), so they go into its x and length instead."""
@@ -1727,8 +1609,7 @@ DEMOS = {   # name: what it shows
     "batching": "continuous batching: requests arrive while others decode and join their steps",
     "chunked": "chunked prefill: a long prompt computed over steps, 8 tokens a step with a decode",
     "watermark": "a request that would fit waits: it would leave no block for the next decode",
-    "tiers": "two questions come back with a follow-up: their blocks, written down to host "
-             "memory and disk meanwhile, are loaded back up",
+    "tiers": "two questions come back: their blocks, written down to host and disk, load back up",
 }
 # each demo's pool, of 4-token blocks: small enough for a screen to show every block
 DEMO_POOLS = {"mix": dict(num_blocks=24, num_cpu_blocks=12, preemption_mode="swap"),
@@ -1737,7 +1618,6 @@ DEMO_POOLS = {"mix": dict(num_blocks=24, num_cpu_blocks=12, preemption_mode="swa
               "evict": dict(num_blocks=12), "watermark": dict(num_blocks=100),   # a watermark of 1
               "tiers": dict(num_blocks=20, num_cpu_blocks=4, num_disk_blocks=12),
               **{name: dict(num_blocks=64) for name in ("prefix", "beam", "batching")}}
-
 def demo_arrivals(name, text):
     """A demo's requests, [(step, prompts, params)]: each queued once the engine has run `step`
     steps (an idle engine skips ahead to the next), so a trace repeats exactly."""
@@ -1760,12 +1640,10 @@ def demo_arrivals(name, text):
         "chunked": [(0, ask[:1], longer), (2, [text(SYSTEM + " ".join(QUESTIONS))], greedy)],
         # 200 tokens (50 blocks), then 196 (49): at step 2 the first has taken its 51st block
         "watermark": [(0, [text(ask[0], 200)], greedy), (1, [text(QUESTIONS[1], 196)], greedy)],
-        # two questions (28 tokens), three more that push their blocks down the tiers, then the
-        # two again with a follow-up, as a chat's next turn sends its history again
+        # two 28-token questions, three requests that push their blocks down, the two again
         "tiers": [(0, [text(q, 28) for q in ask[:2]], greedy), (12, ask[2:], greedy),
                   (24, [text(q, 28) + text(" Say more.") for q in ask[:2]], greedy)],
     }[name]
-
 def demo_text(llm):   # text(s, length): token ids (random weights: a made-up id a word)
     def text(s, length=None):
         if isinstance(s, str):
@@ -1773,11 +1651,9 @@ def demo_text(llm):   # text(s, length): token ids (random weights: a made-up id
             s = tokenize(llm, s) if llm.tokenizer else [sum(w.encode()) % vocab for w in s.split()]
         return (s * length)[:length] if length else s
     return text
-
 def demo_pool(name, block_size):   # DEMO_POOLS counts 4-token blocks: smaller ones get more
     scale = max(1, 4 // max(1, block_size))   # a block_size < 1 is refused by check_pool_args
     return {k: v * scale if k.startswith("num_") else v for k, v in DEMO_POOLS[name].items()}
-
 def run_demo(llm, name, live=False, trace=False, delay=0.0, svg=None, svg_step=None, wait=False):
     """Run a demo (every request checked first), print its outputs; return run and view seconds."""
     arrivals = demo_arrivals(name, demo_text(llm))
@@ -1800,12 +1676,10 @@ def run_demo(llm, name, live=False, trace=False, delay=0.0, svg=None, svg_step=N
             how = f"score {c.score:.3f}" if beams else c.finish_reason
             print(f"[{out.request_id}] {c.text or c.token_ids!r}  ({how})")
     return time.perf_counter() - t0, view.draw_seconds if view else 0.0
-
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):   # bad input on the command line: one line, exit status 2
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         sys.exit(2)
-
 if __name__ == "__main__":
     p = ArgumentParser(
         description="nanopaged: run a demo through a paged KV cache and watch its blocks",
