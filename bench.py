@@ -230,11 +230,11 @@ def preemption(args):
            ", ".join(f"{r[0]} {'yes' if r[4] else 'NO'}" for r in rows) + ".")
 
 def multiturn(args):
-    """Chats, each turn the whole history and a new 32-token message (16 tokens back), one request
+    """Chats, each turn the whole history and a new 64-token message (16 tokens back), one request
     at a time, the chats in turn, in a device pool of two histories. TTFT: from add_requests."""
-    num_chats, num_turns = (4, 4) if args.quick else (8, 5)
+    num_chats, num_turns = (4, 4) if args.quick else (8, 6)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    num_blocks = 2 * (num_turns * 48 + 15) // 16   # two chats' last turns
+    num_blocks = 2 * (num_turns * 80 + 15) // 16   # two chats' last turns
     quarter = num_chats * num_blocks // 8   # host blocks for a quarter of the chats
     configs = {"device only": {}, "+ host": dict(num_cpu_blocks=num_chats * num_blocks),
                "+ 1/4 host": dict(num_cpu_blocks=quarter), "+ 1/4 host, disk":
@@ -246,7 +246,8 @@ def multiturn(args):
         text, chats, outs = corpus(llm), [[] for _ in range(num_chats)], []
         t0 = time.perf_counter()
         for i in range(num_turns * num_chats):   # a chat's new message, then the reply
-            chats[i % num_chats] += text[997 * i:997 * i + 32]
+            start = 997 * i % (len(text) - 64)
+            chats[i % num_chats] += text[start:start + 64]
             outs += llm.generate([chats[i % num_chats]], params)
             chats[i % num_chats] += outs[-1].outputs[0].token_ids
         seconds = time.perf_counter() - t0
