@@ -739,7 +739,8 @@ class LLM:
         # (2, num_layers, num_blocks, block_size, kv_heads, head_dim): K and V of every block
         shape = (2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        # the tiers below, same shape: host memory (pinned on CUDA), a file mapped into memory
+        # the tiers below, (2, num_layers, n, block_size, kv_heads, head_dim): host memory (pinned
+        # on CUDA) and a file mapped into memory
         host_shape, disk_shape = (shape[:2] + (n,) + shape[3:]
                                   for n in (num_cpu_blocks, num_disk_blocks))
         self.kv_caches = {"device": self.kv_cache,

@@ -17,29 +17,10 @@ import torch
 import nanopaged
 from conftest import assert_no_block_held, checked
 from nanopaged import LLM, BlockManager, SamplingParams, Sequence
+from test_block_manager import alloc, computed, toks   # allocate, compute, register; token ids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BS = 4   # block_size of every test here: a block is 4 tokens
-
-
-def toks(start, n):
-    """n distinct token ids from start: different starts give prompts with nothing in common."""
-    return list(range(start, start + n))
-
-
-def alloc(bm, seq):
-    bm.allocate(seq)
-    bm.check_invariants()
-    return seq
-
-
-def computed(bm, seq):
-    """What the engine does for a prompt: allocate, compute every token, register full blocks."""
-    alloc(bm, seq)
-    seq.num_computed_tokens = len(seq)
-    bm.cache_full_blocks(seq)
-    bm.check_invariants()
-    return seq
 
 
 def cached(bm, token_ids):
