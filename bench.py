@@ -7,7 +7,6 @@ bench.py: the claims of paging, measured on this machine beside baselines, in se
     python bench.py --only prefix      one experiment; --json FILE writes every figure
 """
 import json
-import os
 import platform
 import random
 import time
@@ -283,9 +282,13 @@ if __name__ == "__main__":
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--live", action="store_true", help="watch the pool in the throughput run")
     args = p.parse_args()
+    if args.live and args.only not in (None, "throughput"):
+        p.error(f"--live watches the throughput experiment, and --only runs {args.only}")
+    if args.random_weights and args.model is not None:
+        p.error("--random-weights is --model random:smollm2-135m: give one of them")
     args.model = "random:smollm2-135m" if args.random_weights else args.model
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        p.error(f"--json {args.json}: no such folder")
+    if args.json is not None and not nanopaged.writable(args.json):
+        p.error(f"--json {args.json!r}: not a file this program can write (a folder? no such one?)")
     try:   # a bad --model or --device: one line, before any experiment (which reuse the model)
         LLM(args.model, device=args.device, num_blocks=1)
     except ValueError as e:
@@ -298,7 +301,11 @@ if __name__ == "__main__":
         for name in progress.track([args.only] if args.only else EXPERIMENTS, description="bench"):
             EXPERIMENTS[name](args)
     console.print(f"done in {time.perf_counter() - t0:.0f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": machine, "model": args.model, "quick": args.quick,
-                       "experiments": results}, f, indent=1, default=str)
+    if args.json is not None:   # written last: the tables are printed whatever becomes of it
+        figures = {"machine": machine, "model": args.model, "quick": args.quick,
+                   "experiments": results}
+        try:
+            with open(args.json, "w") as f:
+                json.dump(figures, f, indent=1, default=str)
+        except OSError as e:
+            p.error(f"--json {args.json!r}: {e.strerror}")

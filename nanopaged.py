@@ -164,6 +164,7 @@ class Request:
 class Block:
     block_id: int
     ref_count: int = 0   # live block tables that hold this block
+    cached_at: int = 0   # when it last became cached: the LRU order (an undone step rebuilds it)
     # set while the block is registered in the prefix cache (full, computed, immutable):
     hash: int | None = None               # chain hash of the prefix up to and including it
     token_ids: tuple = ()                 # this block's tokens
@@ -210,6 +211,7 @@ class BlockManager:
         # what an earlier one reads): (src tier, src block, dst tier, dst block)
         self.copies = deque()
         self.prefix_ids = itertools.count()
+        self.clock = itertools.count(1)   # ticks for Block.cached_at
         # metrics, counted as they happen (vLLM's names where vLLM has one)
         self.prefix_cache_queries = 0    # tokens looked up
         self.prefix_cache_hits = 0       # tokens found, in any tier
@@ -277,7 +279,7 @@ class BlockManager:
                 dst = self._free_block(below)
                 self.copies.append((pool.name, block.block_id, below.name, dst.block_id))
                 self._register(below, dst, block.entry)   # after its copy is queued (section 9)
-                below.cached_block_ids[dst.block_id] = None
+                self._cache(below, dst)
                 self.num_offloaded_blocks += 1
                 self.events.record("write down", [], [block.block_id], [dst.block_id],
                                    below.name, pool.name)
@@ -303,11 +305,15 @@ class BlockManager:
         block.ref_count -= 1
         self.events.record_ref(pool, "ref-1", seq, block)
         if block.ref_count == 0 and block.hash is not None:
-            pool.cached_block_ids[block.block_id] = None   # most recently freed: evicted last
+            self._cache(pool, block)
             self.events.record_ref(pool, "cache", seq, block)
         elif block.ref_count == 0:
             pool.free_block_ids.append(block.block_id)
             self.events.record_ref(pool, "free", seq, block)
+
+    def _cache(self, pool, block):   # the most recently cached: evicted last
+        block.cached_at = next(self.clock)
+        pool.cached_block_ids[block.block_id] = None
 
     def _load(self, pool, block, seq):
         """Move a lower tier's block that seq holds up into a new device block (returned): its K/V
@@ -734,8 +740,8 @@ class LLM:
             num_blocks = max(1, int(budget // bytes_per_block))
         swap_bytes = (swap_space or 0) * (1 << 30)   # swap_space: GiB of host memory
         num_cpu_blocks = num_cpu_blocks or int(swap_bytes // bytes_per_block)
-        check_loaded_model(self, max_model_len, preemption_mode, num_cpu_blocks, swap_space,
-                           num_disk_blocks, disk_path, bytes_per_block)
+        check_loaded_model(self, max_model_len, preemption_mode, num_blocks, num_cpu_blocks,
+                           swap_space, bytes_per_block)
         # (2, num_layers, num_blocks, block_size, kv_heads, head_dim): K and V of every block
         shape = (2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -795,22 +801,20 @@ class LLM:
 
     def _run(self, prompts, params, kind, live):
         """Queue, step, return the outputs; a call that raises (Ctrl-C too) drops its requests."""
+        require_bool("live", live)
         request_ids = []
-        try:
+        with recovery(lambda: abort(self, request_ids)):   # (section 9)
             with interrupts_held():   # queued and known here, or not queued at all
-                request_ids = self.add_requests(prompts, params, kind)
+                request_ids += self.add_requests(prompts, params, kind)
             requests = [self.requests[r] for r in request_ids]
             with View(self) if live else contextlib.nullcontext():
                 while any(r.status is not RequestStatus.FINISHED for r in requests):
                     self.step()
             return [self.output(r) for r in request_ids]
-        except BaseException:
-            abort(self, request_ids)   # (section 9)
-            raise
 
     def output(self, request_id):
         """A finished request's RequestOutput (BeamSearchOutput for beam search), taken out."""
-        request = self.requests.get(request_id)
+        request = self.requests.get(request_id) if is_int(request_id) else None
         require(request is not None and request.status is RequestStatus.FINISHED,
                 f"request {request_id} is unknown, unfinished or already returned")
         out = beam_output(self, request) if request.is_beam_search else self._output(request)
@@ -835,15 +839,11 @@ class LLM:
         require(self.scheduler.has_unfinished(), "step(): nothing to run; add_requests() first")
         t0 = time.perf_counter()
         self.events.step = self.num_steps + 1
-        undo = Undo(self)   # what the step may change, kept to be put back
-        try:
+        with recovery(Undo(self).restore):   # if it raises, what it changed is put back first
             batch = self._step()
             self.num_steps += 1
             seconds = time.perf_counter() - t0
             report = StepReport(self.num_steps, batch, self.events.take(), self.stats(), seconds)
-        except BaseException:
-            undo.restore()
-            raise
         for callback in self.on_step:
             callback(report)
         return report
@@ -942,11 +942,27 @@ def require_int(name, x, low, note=""):   # a ValueError naming the parameter an
     require(is_int(x) and x >= low, f"{name} must be an int >= {low}{note}, got {x!r}")
 def require_bool(name, x):
     require(isinstance(x, bool), f"{name} must be a bool, got {x!r}")
+
+def writable(path):   # can a file be written at path? Tried: os.access says yes to root
+    folder = os.path.dirname(os.path.abspath(path or "."))
+    other = os.path.lexists(path) and not os.path.isfile(path)   # a folder, a FIFO, a dead link
+    if not path or other or not os.path.isdir(folder):
+        return False
+    existed = os.path.exists(path)
+    try:
+        open(path, "a").close()
+    except OSError:
+        return False
+    if not existed:
+        os.remove(path)
+    return True
+
 def check_seed(seed):
     require(is_int(seed) and 0 <= seed < 2**63, f"seed must be an int in [0, 2**63), got {seed!r}")
 MIN_TEMPERATURE = 0.01   # logits / temperature overflow float32 near 1e-38; 0 means greedy
 MIN_TOP_P = 1e-6         # top_p is compared with float32 probabilities, where 1e-300 is 0
 MAX_LENGTH_PENALTY = 10  # 131072 ** 10 is about 1e51: no overflow, no division by zero
+MAX_DELAY = 60           # --delay at most, in seconds a step (and per event): --step waits longer
 def check_sampling_params(p):
     t = p.temperature
     require(is_number(t) and (t == 0 or t >= MIN_TEMPERATURE),
@@ -970,10 +986,15 @@ def check_engine_args(model, device, dtype, block_size, num_blocks, num_cpu_bloc
                       max_model_len, preemption_mode, seed, swap_space, debug_blocks):
     check_pool_args(1 if num_blocks is None else num_blocks, block_size, num_cpu_blocks,
                     num_disk_blocks)
-    path = os.path.abspath(disk_path) if isinstance(disk_path, (str, os.PathLike)) else "/"
-    new_file = os.path.isdir(os.path.dirname(path)) and not os.path.exists(path)
+    given = os.fspath(disk_path) if isinstance(disk_path, (str, os.PathLike)) else None
+    a_name = isinstance(given, str) and "\0" not in given and not given.endswith(os.sep)
+    path = os.path.abspath(given) if a_name else "/"
+    folder = os.path.dirname(path)   # lexists: a dangling link is not a new file
+    new_file = os.path.isdir(folder) and os.access(folder, os.W_OK) and not os.path.lexists(path)
     require(disk_path is None or new_file, "disk_path must be None (a temporary file) or a new "
-            f"file in a folder (removed with the engine), got {disk_path!r}")
+            f"file in a folder you may write (removed with the engine), got {disk_path!r}")
+    require(disk_path is None or num_disk_blocks > 0,
+            f"disk_path {disk_path!r} holds the disk tier: give num_disk_blocks > 0 with it")
     require(model is None or isinstance(model, str),
             f"model must be None, a directory or 'random:<preset>', got {model!r}")
     name = str(device)   # a string or a torch.device
@@ -995,6 +1016,10 @@ def check_engine_args(model, device, dtype, block_size, num_blocks, num_cpu_bloc
     require(swap_space is None or (is_number(swap_space) and swap_space >= 0),
             f"swap_space must be None or a number of GiB >= 0, got {swap_space!r}")
     require_memory((swap_space or 0) * (1 << 30), f"swap_space {swap_space} GiB exceeds")
+    require(not (num_cpu_blocks and swap_space),
+            "num_cpu_blocks and swap_space both size the host pool: give one of them")
+    require(enable_prefix_caching or not num_disk_blocks, "num_disk_blocks: the disk tier holds "
+            "cached blocks only, and enable_prefix_caching is False")
     require(preemption_mode != "swap" or num_cpu_blocks or swap_space,
             "preemption_mode='swap' needs a host pool: num_cpu_blocks > 0 or swap_space (GiB)")
     check_seed(seed)
@@ -1005,15 +1030,16 @@ def require_memory(num_bytes, what):   # refused as "<what> this machine's memor
     except (AttributeError, ValueError, OSError):   # the system does not say: no check
         return
     require(num_bytes <= ram, f"{what} this machine's memory ({ram >> 30} GiB)")
-def check_loaded_model(llm, max_model_len, preemption_mode, num_cpu_blocks, swap_space,
-                       num_disk_blocks, disk_path, bytes_per_block):
+def check_loaded_model(llm, max_model_len, preemption_mode, num_blocks, num_cpu_blocks,
+                       swap_space, bytes_per_block):
     """What can only be checked once the model is known: its length, its block size in bytes."""
-    require_memory(num_cpu_blocks * bytes_per_block,
-                   f"num_cpu_blocks {num_cpu_blocks} of {bytes_per_block} bytes exceed")
-    folder = os.path.dirname(os.path.abspath(disk_path or tempfile.gettempdir() + "/"))
-    free = shutil.disk_usage(folder).free
-    require(num_disk_blocks * bytes_per_block <= free, f"num_disk_blocks {num_disk_blocks} of "
-            f"{bytes_per_block} bytes exceed the {free >> 20} MiB free in {folder}")
+    on_cpu = llm.device.type == "cpu"
+    in_ram = num_cpu_blocks + (num_blocks if on_cpu else 0)   # on a CPU the device is RAM too
+    require_memory(in_ram * bytes_per_block, f"num_blocks {num_blocks} (device) and "
+                   f"num_cpu_blocks {num_cpu_blocks} (host) of {bytes_per_block} bytes exceed")
+    free = math.inf if on_cpu else torch.cuda.mem_get_info(llm.device)[0]
+    require(num_blocks * bytes_per_block <= free, f"num_blocks {num_blocks} of {bytes_per_block} "
+            f"bytes exceed the {free / 2**30:.1f} GiB free on {llm.device}")
     longest = llm.model.config.max_position_embeddings
     require(llm.max_model_len <= longest,
             f"max_model_len {max_model_len} exceeds the model's {longest}")
@@ -1028,6 +1054,10 @@ def tokenize(llm, prompt):
             f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
     return list(prompt)
 def checked_requests(llm, prompts, params, kind):   # [(token_ids, params)], all checked
+    require(kind in (SamplingParams, BeamSearchParams),
+            f"kind must be SamplingParams or BeamSearchParams, got {kind!r}")
+    require(params is not None or kind is SamplingParams,
+            "beam_search needs its params: BeamSearchParams(beam_width=...)")
     one_prompt = isinstance(prompts, (list, tuple)) and prompts and is_int(prompts[0])
     if isinstance(prompts, str) or one_prompt:
         prompts = [prompts]
@@ -1240,23 +1270,64 @@ class CostModel:
         return "swap" if swap_seconds < num_tokens * self.seconds_per_token else "recompute"
 def open_disk_pool(llm, path, shape):
     """The disk tier's K/V: a new file (by default a temporary one) mapped into memory, so that a
-    copy is the OS's write or read (its page cache may keep it); removed with the engine."""
+    copy is the OS's write or read (its page cache may keep it). Its space is reserved whole now:
+    a disk too full for it is a ValueError here, never a SIGBUS at a later write. The file goes
+    with the engine, at exit, on SIGTERM and on SIGHUP (remove_disk_files), by its absolute path."""
     if not shape[2]:   # no disk tier
         return torch.zeros(shape, dtype=llm.dtype)
-    if path is None:
-        fd, path = tempfile.mkstemp(prefix="nanopaged-", suffix=".kv")
+    try:
+        if path is None:
+            fd, path = tempfile.mkstemp(prefix="nanopaged-", suffix=".kv")
+        else:   # resolved now: a later change of directory does not move it
+            path = os.path.realpath(path)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)   # a new file only
+    except OSError as e:
+        raise ValueError(f"disk_path {path!r}: cannot create it ({e.strerror})") from None
+    DISK_FILES[path] = owner = (os.getpid(), os.fstat(fd).st_ino)
+    remove = weakref.finalize(llm, remove_disk_file, path, owner)
+    num_bytes = math.prod(shape) * llm.dtype.itemsize
+    try:   # (an OS without posix_fallocate gets a sparse file: a full disk fails later there)
+        getattr(os, "posix_fallocate", lambda fd, start, n: os.ftruncate(fd, n))(fd, 0, num_bytes)
+    except (OSError, OverflowError) as e:   # no room; or more bytes than a file may have
+        remove()   # now, and never again
+        folder = os.path.dirname(path)
+        free = shutil.disk_usage(folder).free
+        raise ValueError(f"num_disk_blocks: {num_bytes / 2**20:.1f} MiB do not fit in {folder} "
+                         f"({free / 2**20:.1f} MiB free): {getattr(e, 'strerror', e)}") from None
+    finally:
         os.close(fd)
-    weakref.finalize(llm, os.remove, path)
-    return torch.from_file(os.fspath(path), shared=True, size=math.prod(shape),
-                           dtype=llm.dtype).view(shape)
+    for signum in (signal.SIGTERM, signal.SIGHUP):   # by default they kill: the file stays behind
+        if is_main_thread() and signal.getsignal(signum) is signal.SIG_DFL:
+            signal.signal(signum, remove_disk_files)
+    return torch.from_file(path, shared=True, size=math.prod(shape), dtype=llm.dtype).view(shape)
+
+DISK_FILES = {}   # path -> (process, inode): the disk tiers' files of the live engines
+
+def remove_disk_file(path, owner):   # the file this process made there, never another
+    if DISK_FILES.get(path) != owner or owner[0] != os.getpid():   # a forked child's: not its
+        return
+    del DISK_FILES[path]
+    with contextlib.suppress(FileNotFoundError):
+        if os.stat(path).st_ino == owner[1]:
+            os.remove(path)
+
+def is_main_thread():   # the only thread that gets signals, and may set their handlers
+    return threading.current_thread() is threading.main_thread()
+
+def remove_disk_files(signum, frame):   # SIGTERM, SIGHUP: their default action, files removed first
+    for path, owner in list(DISK_FILES.items()):
+        remove_disk_file(path, owner)
+    signal.signal(signum, signal.SIG_DFL)
+    signal.raise_signal(signum)
 
 # ----------------------------------------------------------------------------------------------
 # 9. Failure recovery: a step that raises (an error, Ctrl-C) is undone
 # LLM.step keeps an Undo (the engine's objects, the requests the step can touch, their random
 # streams) to put back if the step raises, all but K/V it may have half-written: every request
-# the pools held is recomputed. The prefix cache stays: a block is registered once its K/V are
-# written (or their copy is queued), unregistered before it is written again, so a recompute
-# finds its full blocks there; a block whose queued copy was never made is dropped.
+# the pools held is recomputed. The prefix cache stays, in its LRU order: a block is registered
+# once its K/V are written (or their copy is queued), unregistered before it is written again, so
+# a recompute finds its full blocks there; a block whose queued copy was never made is dropped.
+# recovery() runs the undo (and generate()'s drop of its requests); a second Ctrl-C waits for it.
 
 def copy_state(obj):   # an object's attributes; the lists, deques, Counters a step edits, copied
     return {k: copy.copy(v) if isinstance(v, (list, deque, Counter)) else v
@@ -1271,56 +1342,105 @@ class Undo:
                    *(s for r in requests for s in r.seqs)]
         self.states = [(obj, copy_state(obj)) for obj in objects]
         self.random_states = [(g, g.get_state()) for r in requests for g in r.generators]
-    def restore(self):
-        with interrupts_held():   # a Ctrl-C now waits until the engine is whole again
-            sched, bm = self.llm.scheduler, self.llm.block_manager
-            unmade = {(tier, block_id) for _, _, tier, block_id in bm.copies}   # never copied to
-            for obj, state in self.states:
-                vars(obj).update(state)
-            for generator, state in self.random_states:
-                generator.set_state(state)
-            bm.copies.clear()
-            for pool in bm.tiers:   # nobody holds a block; the registered stay cached
-                registered = pool.hash_to_block_ids   # as the step left it: a block goes in last
-                pool.free_block_ids, pool.cached_block_ids, pool.seqs = deque(), OrderedDict(), {}
-                pool.hash_to_block_ids = {}
-                for block in pool.blocks:
-                    whole = (pool.name, block.block_id) not in unmade   # its K/V are in place
-                    if whole and block.block_id in registered.get(block.hash, ()):
-                        block.ref_count = 0
-                        bm._register(pool, block, block.entry)
-                        pool.cached_block_ids[block.block_id] = None   # LRU order: by id now
-                    else:   # not registered, or half registered or half evicted as the step stopped
-                        vars(block).update(vars(Block(block.block_id)))
-                        pool.free_block_ids.append(block.block_id)
-            holders = sorted(sched.running + sched.swapped, key=lambda r: r.request_id)
-            sched.running, sched.swapped = [], []
-            for request in reversed(holders):   # the newest first, so that the oldest ends in front
-                for seq in request.seqs:
-                    seq.block_table = []
-                sched._recompute(request)
+    def restore(self):   # (called by recovery(), which holds Ctrl-C until it is done)
+        sched, bm = self.llm.scheduler, self.llm.block_manager
+        unmade = {(tier, block_id) for _, _, tier, block_id in bm.copies}   # never copied to
+        for obj, state in self.states:
+            vars(obj).update(state)
+        for generator, state in self.random_states:
+            generator.set_state(state)
+        bm.copies.clear()
+        holders = sorted(sched.running + sched.swapped, key=lambda r: r.request_id, reverse=True)
+        for pool in bm.tiers:   # nobody holds a block; the registered stay cached
+            rebuild_pool(bm, pool, unmade, holders)
+        sched.running, sched.swapped = [], []
+        for request in holders:   # the newest first, so that the oldest ends in front
+            for seq in request.seqs:
+                seq.block_table = []
+            sched._recompute(request)
+
+def rebuild_pool(bm, pool, unmade, holders):
+    """Every block of pool free, or cached if whole and registered as the step left it, in LRU
+    order: by cached_at, after the blocks the holders (requests, newest first, as before the step)
+    held are stamped as freeing them would (tail first; a shared block at its last holder)."""
+    for request in holders:
+        if pool is (bm.host if request.status is RequestStatus.SWAPPED else bm.device):
+            for block_id in (b for seq in request.seqs for b in reversed(seq.block_table)):
+                pool.blocks[block_id].cached_at = next(bm.clock)
+    registered = pool.hash_to_block_ids   # as the step left it: a block goes in last
+    pool.free_block_ids, pool.cached_block_ids, pool.seqs = deque(), OrderedDict(), {}
+    pool.hash_to_block_ids = {}
+    for block in sorted(pool.blocks, key=lambda b: b.cached_at):
+        whole = (pool.name, block.block_id) not in unmade   # its K/V are in place
+        if whole and block.block_id in registered.get(block.hash, ()):
+            block.ref_count = 0
+            bm._register(pool, block, block.entry)
+            pool.cached_block_ids[block.block_id] = None
+        else:   # not registered, or half registered or half evicted as the step stopped
+            vars(block).update(vars(Block(block.block_id)))
+            pool.free_block_ids.append(block.block_id)
+
 @contextlib.contextmanager
-def interrupts_held():   # Ctrl-C (SIGINT: only the main thread gets it) waits, then raises
-    if threading.current_thread() is not threading.main_thread():
+def interrupts_held(hold=None):
+    """Ctrl-C (SIGINT: only the main thread gets it) waits until the block ends, then goes to the
+    handler that was there before. With hold, only while hold() says so; at other times that
+    handler takes it at once (none of Python's: the default kills, or it is ignored)."""
+    previous = signal.getsignal(signal.SIGINT)
+    if not is_main_thread() or hold is not None and not callable(previous):
         yield
         return
     caught = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+
+    def handler(signum, frame):
+        if hold is None or hold():
+            caught.append(signum)
+        else:
+            previous(signum, frame)   # Python's own handler raises KeyboardInterrupt here
+
+    signal.signal(signal.SIGINT, handler)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
         if caught:
             signal.raise_signal(signal.SIGINT)   # to the handler that was there before
+
+class recovery:
+    """`with recovery(undo):` if the block raises (an error, Ctrl-C), undo() runs before the
+    exception goes on. A Ctrl-C that comes once the exception is back at the `with` line, on its
+    way to undo() or during it, waits until undo() is done: no line of it is skipped."""
+
+    def __init__(self, undo):
+        self.undo = undo
+        self.frame = sys._getframe(1)   # the frame and line of the `with` statement
+        self.line = self.frame.f_lineno
+        self.entered = False   # until __enter__ is done
+        self.recovering = False
+
+    def leaving(self):   # is the block over, its frame back at the `with` line, or recovering?
+        return self.recovering or self.entered and self.frame.f_lineno == self.line
+
+    def __enter__(self):
+        self.interrupts = interrupts_held(hold=self.leaving)
+        self.interrupts.__enter__()
+        self.entered = True
+
+    def __exit__(self, kind, exc, tb):
+        try:
+            if exc is not None:
+                self.recovering = True
+                self.undo()
+        finally:
+            self.interrupts.__exit__(None, None, None)   # a Ctrl-C held: raised now
+
 def abort(llm, request_ids):   # drop a failed call's requests wherever they are, and their blocks
-    with interrupts_held():
-        for request in [llm.requests.pop(r) for r in request_ids if r in llm.requests]:
-            for queue in (llm.scheduler.waiting, llm.scheduler.running, llm.scheduler.swapped):
-                if request in queue:
-                    queue.remove(request)
-            for seq in request.seqs:
-                llm.block_manager.free(seq)
-            request.status = RequestStatus.FINISHED
+    for request in [llm.requests.pop(r) for r in request_ids if r in llm.requests]:
+        for queue in (llm.scheduler.waiting, llm.scheduler.running, llm.scheduler.swapped):
+            if request in queue:
+                queue.remove(request)
+        for seq in request.seqs:
+            llm.block_manager.free(seq)
+        request.status = RequestStatus.FINISHED
 
 # ----------------------------------------------------------------------------------------------
 # 10. Sampling, and beam search: the beams of a request are forks of one another, on shared blocks
@@ -1416,6 +1536,7 @@ def printable(text):   # never raw: a newline as a space, other control characte
 def wrapped(text, width, style=None, indent=2):   # rows of at most width columns, nothing cut
     rows = textwrap.wrap(text, width, subsequent_indent=" " * indent, break_on_hyphens=False)
     return [Text(row, style) for row in rows]
+MIN_VIEW_WIDTH = 64   # a sequence row: its ids, state, K/V, block table, some text
 HOLDER_COLOURS = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "orange3"]
 def table_text(pool, block_table, width):
     """A block table in width columns: runs of ids as first-last (*: shared), its middle as (+k)."""
@@ -1443,7 +1564,7 @@ class View:
                                    Console(highlight=False, color_system=None, width=80))
         self.delay = delay          # seconds to pause after a step, and as many per event it shows
         self.wait = wait            # wait for Enter after every step
-        self.svg = svg              # a file to save one frame in, as an SVG image
+        self.svg = svg              # keep one frame to save as an SVG image (save_svg)
         self.svg_step = svg_step    # the step to save; None: the first with the most events
         self.svg_frame = (-1, None)   # (events, frame)
         self.events = deque(maxlen=1000)   # recent story events (debug kinds are not shown)
@@ -1461,8 +1582,6 @@ class View:
             self.rich_live.stop()   # the terminal is the user's again, after Ctrl-C too
             if self.last_frame is not None:
                 self.console.print(self.last_frame)
-        if self.svg and self.svg_frame[1] is not None:
-            save_svg(self.svg_frame[1], self.svg, self.console.width)
     def __call__(self, report):
         t0 = time.perf_counter()
         story = [e for e in report.events if e.kind not in DEBUG_KINDS]
@@ -1489,9 +1608,11 @@ class View:
         story = [wrapped(f"{e.step:>5}  {e.words()}", width, indent=7) for e in events]
         if height is None:
             return Group(*top, *self.sequences(width, 1 << 30), *itertools.chain(*story))
-        room = height - len(top)
-        seqs = self.sequences(width, max(3, room - 3 - min(sum(map(len, story)), room // 2)))
-        rows = room - len(seqs)
+        room = height - len(top)   # for the sequences (a header, rows, a count) and the events
+        if width < MIN_VIEW_WIDTH or room < 4:
+            return self.too_small(report, events, width, height, len(top) + 4)
+        seqs = self.sequences(width, max(1, room - 3 - min(sum(map(len, story)), room // 2)))
+        rows = room - len(seqs)   # at least 1: the events, or their count
         shown = []
         for i, event_rows in enumerate(story):
             if len(shown) + len(event_rows) + (i < len(story) - 1) > rows:
@@ -1504,6 +1625,10 @@ class View:
                 break
             shown = event_rows + shown
         return Group(*top, *seqs, *shown)
+    def too_small(self, report, events, width, height, rows_needed):   # what fits: a note
+        note = (f"step {report.step}: {len(events)} events. The terminal ({width}x{height}) is too "
+                f"small for the view: it needs {MIN_VIEW_WIDTH} columns and {rows_needed} rows")
+        return Group(*wrapped(note, width, indent=0)[:height])
     def metrics(self, report, width):   # the pool's fill, then what the memory system did so far
         s, bm = report.stats, self.llm.block_manager
         first = (f"step {report.step} | usage {s['kv_cache_usage_perc']:.0%} "
@@ -1656,7 +1781,7 @@ def demo_pool(name, block_size):   # DEMO_POOLS counts 4-token blocks: smaller o
     scale = max(1, 4 // max(1, block_size))   # a block_size < 1 is refused by check_pool_args
     return {k: v * scale if k.startswith("num_") else v for k, v in DEMO_POOLS[name].items()}
 def run_demo(llm, name, live=False, trace=False, delay=0.0, svg=None, svg_step=None, wait=False):
-    """Run a demo (every request checked first), print its outputs; return run and view seconds."""
+    """Run a demo (every request checked first), print its outputs; return its seconds, its View."""
     arrivals = demo_arrivals(name, demo_text(llm))
     for _, prompts, params in arrivals:
         checked_requests(llm, prompts, params, type(params))
@@ -1676,7 +1801,7 @@ def run_demo(llm, name, live=False, trace=False, delay=0.0, svg=None, svg_step=N
         for c in out.sequences if beams else out.outputs:
             how = f"score {c.score:.3f}" if beams else c.finish_reason
             print(f"[{out.request_id}] {c.text or c.token_ids!r}  ({how})")
-    return time.perf_counter() - t0, view.draw_seconds if view else 0.0
+    return time.perf_counter() - t0, view
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):   # bad input on the command line: one line, exit status 2
         print(f"{self.prog}: error: {message}", file=sys.stderr)
@@ -1691,7 +1816,7 @@ if __name__ == "__main__":
     p.add_argument("--svg", default=None, help="save one step's view to this file, as an image")
     p.add_argument("--svg-step", type=int, help="the step --svg saves (default: most events)")
     p.add_argument("--delay", type=float, default=0.0,
-                   help="seconds to pause after each step, and as many per event it shows")
+                   help="seconds (at most 60) to pause after each step, and per event it shows")
     p.add_argument("--step", action="store_true", help="wait for Enter after each step")
     p.add_argument("--model", help="None: SmolLM2-135M-Instruct; a directory; random:<preset>")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -1705,10 +1830,10 @@ if __name__ == "__main__":
     p.add_argument("--max-num-batched-tokens", type=int, help="tokens a step computes at most")
     p.add_argument("--debug-blocks", action="store_true", help="log every block event to stderr")
     args = p.parse_args()
-    if args.svg and not os.path.isdir(os.path.dirname(os.path.abspath(args.svg))):
-        p.error(f"--svg {args.svg}: no such folder")
-    if not (math.isfinite(args.delay) and args.delay >= 0):
-        p.error(f"argument --delay: must be a number of seconds >= 0, got {args.delay}")
+    if args.svg is not None and not writable(args.svg):
+        p.error(f"--svg {args.svg!r}: not a file this program can write (a folder? no such one?)")
+    if not (math.isfinite(args.delay) and 0 <= args.delay <= MAX_DELAY):
+        p.error(f"argument --delay: must be seconds in [0, {MAX_DELAY}], got {args.delay}")
     if (args.delay or args.step) and not (args.live or args.trace):
         p.error("--delay and --step pause the view: give --live or --trace with them")
     if args.svg_step is not None and not (args.svg and args.svg_step >= 1):
@@ -1723,8 +1848,8 @@ if __name__ == "__main__":
         loading = Console(stderr=True).status("loading the model") if args.live else None
         with loading or contextlib.nullcontext():
             llm = LLM(args.model, device=args.device, **kwargs)
-        seconds, drawing = run_demo(llm, args.demo, args.live, args.trace, args.delay, args.svg,
-                                    args.svg_step, args.step)
+        seconds, view = run_demo(llm, args.demo, args.live, args.trace, args.delay, args.svg,
+                                 args.svg_step, args.step)
     except ValueError as e:   # bad input: nothing ran
         p.error(str(e))
     except KeyboardInterrupt:   # Ctrl-C: the view has given the terminal back
@@ -1733,5 +1858,14 @@ if __name__ == "__main__":
     for k, v in llm.stats().items():
         print(f"{k:28} {v:.3f}" if isinstance(v, float) else f"{k:28} {v}")
     if not args.trace:   # a trace repeats exactly: it prints no timings
+        drawing = f", {view.draw_seconds / seconds:.1%} of it drawing the view" if args.live else ""
         print(f"{llm.num_generated_tokens / seconds:.1f} tokens/s generated in {seconds:.1f} s"
-              + (f", {drawing / seconds:.1%} of it drawing the view" if args.live else ""))
+              + drawing)
+    if args.svg:   # saved last: what the run printed stays printed whatever becomes of it
+        if view.svg_frame[1] is None:
+            p.error(f"--svg-step {args.svg_step}: the run ended at step {llm.num_steps}; "
+                    "no image saved")
+        try:
+            save_svg(view.svg_frame[1], args.svg, view.console.width)
+        except OSError as e:
+            p.error(f"--svg {args.svg!r}: {e.strerror}")

@@ -26,6 +26,12 @@ BAD_ENGINE_ARGUMENTS = {   # each used to pass the checks and fail later, after 
     "device='cudaXYZ'": (dict(device="cudaXYZ"), "device"),
     "swap_space=1e12": (dict(swap_space=1e12), "swap_space"),
     "num_cpu_blocks=10**12": (dict(num_cpu_blocks=10 ** 12), "num_cpu_blocks"),
+    "num_blocks=10**9": (dict(num_blocks=10 ** 9), "num_blocks 1000000000"),   # 8 TB
+    "block_size=2**40": (dict(block_size=2 ** 40), "bytes exceed"),   # one block: 8 PB
+    "disk_path without a disk": (dict(disk_path="kv.bin"), "num_disk_blocks > 0"),
+    "both host sizes": (dict(num_cpu_blocks=8, swap_space=0.001), "give one of them"),
+    "a disk and no prefix cache": (dict(num_disk_blocks=8, enable_prefix_caching=False),
+                                   "num_disk_blocks"),   # nothing would ever be written down
 }
 if not torch.cuda.is_available():
     BAD_ENGINE_ARGUMENTS["device='cuda' without CUDA"] = (dict(device="cuda"), "CUDA")
@@ -90,6 +96,9 @@ BAD_COMMAND_LINES = [   # each printed a traceback, or failed only after the run
     ["--model", "random:nonsense"], ["--preemption-mode", "swap", "--num-cpu-blocks", "0"],
     ["--delay", "-1", "--trace"], ["--delay", "nan", "--trace"], ["--delay", "1"],
     ["--svg", os.path.join("no", "such", "folder", "view.svg")],
+    ["--num-blocks", "1000000000"], ["--block-size", str(2 ** 40)],
+    ["--svg", "."], ["--svg", "/proc/view.svg"], ["--trace", "--delay", "1e10"],
+    ["--disk-path", "kv.bin"],   # the default demo has no disk tier: the path would do nothing
 ]
 
 
@@ -148,6 +157,8 @@ def test_occupancy_counts_only_written_slots_of_a_recomputed_n_gt_1_request():
 BAD_BENCH_COMMAND_LINES = [   # each ran an experiment first, then a traceback or exit status 0
     ["--model", "nonsense"], ["--model", "random:nonsense"],
     ["--json", os.path.join("no", "such", "folder", "bench.json")],
+    ["--json", "."], ["--json", ""], ["--random-weights", "--model", "random:tiny"],
+    ["--live"],   # --only memory: the live view watches the throughput run alone
 ]
 if not torch.cuda.is_available():
     BAD_BENCH_COMMAND_LINES.append(["--device", "cuda"])
@@ -162,3 +173,52 @@ def test_a_bad_bench_command_line_is_one_line_and_exit_status_2_before_any_exper
     lines = run.stderr.strip().splitlines()
     assert (run.returncode, len(lines)) == (2, 1), run.stderr
     assert "error:" in lines[0] and "Traceback" not in run.stderr and not run.stdout
+
+
+BAD_CALLS = {   # each raised a TypeError or an AttributeError, or was accepted
+    "beam_search(prompts, None)": lambda llm: llm.beam_search([GOOD], None),
+    "output([1])": lambda llm: llm.output([1]),
+    "add_requests(kind=int)": lambda llm: llm.add_requests([GOOD], kind=int),
+    "generate(live='yes')": lambda llm: llm.generate([GOOD], GREEDY, live="yes"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CALLS))
+def test_a_bad_call_is_a_value_error_and_the_engine_serves_on(case):
+    """A bad argument to a call is a ValueError; a request queued before it ends with the tokens
+    it has alone, and nothing is held."""
+    llm = checked(LLM("random:tiny", block_size=4, num_blocks=64))
+    [queued] = llm.add_requests([GOOD], GREEDY)
+    with pytest.raises(ValueError):
+        BAD_CALLS[case](llm)
+    while llm.scheduler.has_unfinished():
+        llm.step()
+    want = LLM("random:tiny", block_size=4, num_blocks=64).generate([GOOD], GREEDY)
+    assert llm.output(queued).outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert_no_block_held(llm)
+
+
+def test_an_svg_step_the_run_never_reaches_is_said_after_the_outputs(tmp_path):
+    """--svg-step past the run's last step: the outputs and figures are printed, then one line
+    says no image was saved, exit status 2 (it used to save nothing, silently)."""
+    path = tmp_path / "view.svg"
+    run = subprocess.run([sys.executable, "nanopaged.py", "--model", "random:tiny", "--demo",
+                          "fork", "--svg", str(path), "--svg-step", "1000"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    lines = run.stderr.strip().splitlines()
+    assert (run.returncode, len(lines)) == (2, 1), run.stderr
+    assert "--svg-step 1000: the run ended at step" in lines[0] and "no image saved" in lines[0]
+    assert "num_generated_tokens" in run.stdout and not path.exists()
+
+
+def test_an_output_path_is_writable_only_as_a_regular_file_or_a_new_one(tmp_path):
+    """--svg and bench --json take a new file or a regular one; a folder, a FIFO (opening it would
+    wait forever) and a symlink to nowhere are refused, and the check changes nothing."""
+    fifo, link, old = tmp_path / "fifo", tmp_path / "link.svg", tmp_path / "old.svg"
+    os.mkfifo(fifo)
+    link.symlink_to(tmp_path / "target.svg")
+    old.write_text("kept")
+    assert [nanopaged.writable(str(p)) for p in (tmp_path, fifo, link, "")] == [False] * 4
+    assert nanopaged.writable(str(old)) and nanopaged.writable(str(tmp_path / "new.svg"))
+    assert sorted(os.listdir(tmp_path)) == ["fifo", "link.svg", "old.svg"]
+    assert link.is_symlink() and old.read_text() == "kept"

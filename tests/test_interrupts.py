@@ -3,6 +3,7 @@ generate() or beam_search() call (n=3 seeded samples, beams, a pool so tight tha
 preempted by swap or by recompute, a request queued alongside) leaves the engine whole: the
 interrupted call's requests are gone with their blocks, the queued one finishes with the tokens
 of a run that was never interrupted, and the same LLM then gives a fresh engine's outputs."""
+import inspect
 import os
 import signal
 import sys
@@ -11,8 +12,8 @@ from collections import Counter
 import pytest
 
 import nanopaged
-from conftest import assert_no_block_held
-from nanopaged import LLM, BeamSearchParams, RequestStatus, SamplingParams
+from conftest import assert_no_block_held, checked
+from nanopaged import LLM, BeamSearchParams, RequestStatus, SamplingParams, Undo
 
 ENGINE = dict(block_size=4, num_blocks=12, num_cpu_blocks=12, max_num_seqs=6,
               max_num_batched_tokens=8)
@@ -41,11 +42,34 @@ def finish(llm, request_ids):
     return [[c.token_ids for c in llm.output(r).outputs] for r in request_ids]
 
 
+SIGINTS = []   # each SIGINT that reached Python's handler, in this test
+REARM = []     # an Interrupt to trace with again once the first SIGINT has been raised
+
+
+def count_and_raise(signum, frame):
+    SIGINTS.append(signum)
+    if REARM:   # raised inside the trace function, this turns tracing off: rearm() turns it on
+        sys.setprofile(rearm)
+    raise KeyboardInterrupt
+
+
+def rearm(frame, event, arg):
+    """A profile function (it outlives the trace function): the first call or return after the
+    KeyboardInterrupt puts the trace function back, in every frame of the engine on the stack."""
+    interrupt = REARM.pop()
+    sys.setprofile(None)
+    sys.settrace(interrupt)
+    while frame is not None:
+        if frame.f_code.co_filename == nanopaged.__file__:
+            frame.f_trace = interrupt.local
+        frame = frame.f_back
+
+
 @pytest.fixture(autouse=True)
 def sigint_raises():
     """SIGINT raises KeyboardInterrupt here, even under a runner started with it ignored (as a
-    background job is)."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    background job is); each one is counted."""
+    previous = signal.signal(signal.SIGINT, count_and_raise)
     yield
     signal.signal(signal.SIGINT, previous)
 
@@ -60,28 +84,44 @@ def engine(mode, seen_seqs):
 class Interrupt:
     """A trace function that sends SIGINT to this process (or raises `error`) when the engine's
     code reaches `line` for the `occurrence`-th time (sys.settrace, lines of nanopaged.py only).
-    Without a line, it keeps every line run, in order."""
+    Without a line, it keeps every line run, in order. After the first, `then` (a line) sends a
+    second SIGINT the first time the engine runs that line; then="record" keeps the lines run."""
 
-    def __init__(self, line=None, occurrence=1, error=None):
+    def __init__(self, line=None, occurrence=1, error=None, in_steps_only=False, then=None):
         self.line, self.left, self.error = line, occurrence, error
+        self.in_steps_only = in_steps_only   # count only the times the line runs inside a step
+        self.then = then
         self.lines = []
         self.sent = False
+        self.sent_again = False
+        self.after_first_raised = False   # the second was sent once the first had been handled
 
     def __call__(self, frame, event, arg):   # the global trace: only frames of nanopaged.py
         return self.local if frame.f_code.co_filename == nanopaged.__file__ else None
 
     def local(self, frame, event, arg):
         if self.sent:
-            return None
+            return self.second(frame, event) if self.then is not None else None
         if event == "line" and self.line is None:
             self.lines.append((frame.f_lineno, in_step(frame)))
         elif event == "line" and frame.f_lineno == self.line:
+            if self.in_steps_only and not in_step(frame):
+                return self.local
             self.left -= 1
             if self.left == 0:
                 self.sent = True
                 if self.error:   # raised here, it surfaces in the engine's frame, at that line
                     raise self.error
                 os.kill(os.getpid(), signal.SIGINT)
+        return self.local
+
+    def second(self, frame, event):
+        if event == "line" and self.then == "record":
+            self.lines.append(frame.f_lineno)
+        elif event == "line" and frame.f_lineno == self.then and not self.sent_again:
+            self.sent_again = True
+            self.after_first_raised = len(SIGINTS) > 0
+            os.kill(os.getpid(), signal.SIGINT)
         return self.local
 
 
@@ -92,11 +132,14 @@ def in_step(frame):   # is LLM.step on the stack?
 
 
 def traced(llm, kind, interrupt):
+    REARM[:] = [interrupt] if interrupt.then is not None else []
     sys.settrace(interrupt)
     try:
         return call(llm, kind)
     finally:
         sys.settrace(None)
+        sys.setprofile(None)
+        REARM.clear()
 
 
 def lines_run(mode, kind):
@@ -134,27 +177,68 @@ def test_sigint_at_every_statement_leaves_the_engine_whole(mode, kind):
 def test_an_error_at_every_third_statement_of_a_step_leaves_the_engine_whole():
     """The same for an error raised inside a step (here from the trace function)."""
     where_to = points(*CASES[0], in_steps_only=True)[::3]
-    check_every_point(*CASES[0], where_to, RuntimeError("injected"))
+    check_every_point(*CASES[0], where_to, RuntimeError("injected"), in_steps_only=True)
 
 
-def check_every_point(mode, kind, where_to, error):
-    """error: KeyboardInterrupt (a SIGINT is sent) or an exception to raise."""
+def recovery_lines(mode, kind, line, occurrence):
+    """The lines of nanopaged.py the engine runs after a SIGINT at (line, occurrence), in the
+    order they first run: the rest of that line, then the recovery (the undo, the drop)."""
+    llm = engine(mode, [])
+    llm.add_requests(*QUEUED)
+    recorder = Interrupt(line, occurrence, then="record")
+    with pytest.raises(KeyboardInterrupt):
+        traced(llm, kind, recorder)
+    return list(dict.fromkeys(recorder.lines))
+
+
+def test_a_second_sigint_at_every_line_of_the_recovery_leaves_the_engine_whole():
+    """Ctrl-C twice: the first inside steps that preempt, copy on write and swap, and between
+    steps, the second at every line the recovery then runs (the undo of the step, the drop of the
+    call's requests): the second waits until the recovery is done, then surfaces, and the engine
+    ends each run as after a single Ctrl-C."""
+    mode, kind = CASES[0]
+    seconds = {}   # a line of the recovery -> the first SIGINTs after which it runs
+    for line, occurrence in points(mode, kind)[::25]:
+        for then in recovery_lines(mode, kind, line, occurrence):
+            seconds.setdefault(then, []).append((line, occurrence))
+    where_to = [(line, occurrence, then) for then, firsts in seconds.items()
+                for line, occurrence in firsts[:2]]   # each line twice, after different firsts
+    recovery = [Undo.restore, nanopaged.rebuild_pool, nanopaged.abort, nanopaged.recovery.__exit__]
+    body = {line for f in recovery for line in lines_of(f)}
+    assert body <= set(seconds), f"recovery lines never reached: {sorted(body - set(seconds))}"
+    check_every_point(mode, kind, where_to, KeyboardInterrupt)
+
+
+def lines_of(function):   # the lines of a function's body that hold code
+    code = function.__code__
+    return {line for _, _, line in code.co_lines() if line and line > code.co_firstlineno}
+
+
+def check_every_point(mode, kind, where_to, error, in_steps_only=False):
+    """where_to: (line, occurrence) or (line, occurrence, then: the line of a second SIGINT).
+    error: KeyboardInterrupt (a SIGINT is sent) or an exception to raise."""
     expected = KeyboardInterrupt if error is KeyboardInterrupt else type(error)
     fresh = engine(mode, [])
     queued = fresh.add_requests(*QUEUED)
     want_call = call(fresh, kind)
     want_queued = finish(fresh, queued)
     interrupted = 0
-    for i, (line, occurrence) in enumerate(where_to):
+    for i, (line, occurrence, *then) in enumerate(where_to):
         where = f"{expected.__name__} at nanopaged.py:{line} (time {occurrence})"
+        where += f", then SIGINT at {then[0]}" if then else ""
         seen_seqs = []
         llm = engine(mode, seen_seqs)
         queued = llm.add_requests(*QUEUED)
-        interrupt = Interrupt(line, occurrence, None if error is KeyboardInterrupt else error)
+        interrupt = Interrupt(line, occurrence, None if error is KeyboardInterrupt else error,
+                              in_steps_only, *then)
+        SIGINTS.clear()
         try:
             traced(llm, kind, interrupt)
         except expected:
             interrupted += 1
+            # a second SIGINT sent after the first was raised is not lost: it surfaces too
+            sent = (error is KeyboardInterrupt) + interrupt.after_first_raised
+            assert len(SIGINTS) == sent, where
             llm.block_manager.check_invariants()
             # the call's own requests are gone, the queued one is there, once
             assert list(llm.requests) == queued, where
@@ -176,3 +260,94 @@ def check_every_point(mode, kind, where_to, error):
             assert_no_block_held(llm)
         assert max(seen_seqs, default=0) <= ENGINE["max_num_seqs"], where
     assert interrupted >= len(where_to) // 2
+
+
+def test_an_undone_step_keeps_the_order_in_which_cached_blocks_are_evicted():
+    """A step undone by an error keeps the prefix cache's LRU order: the system prompt's blocks,
+    freed last, are still evicted last, so a later prompt finds all 16 of its tokens, the same
+    hits and evictions as in a run where nothing failed (not a rebuild in block-id order, which
+    evicted the system prompt's first block and found nothing)."""
+    def run(fail):
+        llm = checked(LLM("random:tiny", block_size=4, num_blocks=11))
+        system = list(range(100, 116))   # 16 tokens: 4 blocks
+        greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        llm.generate([system + [1, 2, 3, 4]], greedy)   # its blocks cached, the system's freed last
+        [other] = llm.add_requests([list(range(200, 216))], greedy)
+        if fail:   # its first step fails after allocating (and evicting), in the forward
+            forward = llm.model.forward
+
+            def broken(*args):
+                llm.model.forward = forward
+                raise RuntimeError("injected")
+
+            llm.model.forward = broken
+            with pytest.raises(RuntimeError):
+                llm.step()
+        while llm.scheduler.has_unfinished():
+            llm.step()
+        llm.output(other)
+        llm.generate([list(range(20, 28))], greedy)   # evicts the least recently used
+        hits = llm.stats()["prefix_cache_hits"]
+        llm.generate([system + [5, 6, 7, 8]], greedy)
+        assert_no_block_held(llm)
+        return llm.stats()["prefix_cache_hits"] - hits, llm.stats()["num_evictions"]
+
+    assert run(fail=True) == run(fail=False) == (16, 2)
+
+
+def test_ctrl_c_acts_at_once_in_a_call_made_while_the_caller_handles_an_exception():
+    """generate() called in an except block (a retry, say): a SIGINT in its second step interrupts
+    that step, as anywhere else; the exception the caller handles is not a recovery to wait for."""
+    source, first = inspect.getsourcelines(LLM._step)
+    line = first + next(i for i, text in enumerate(source) if "self.scheduler.schedule()" in text)
+    llm = engine("swap", [])
+    try:
+        raise LookupError("the caller's own")
+    except LookupError:
+        with pytest.raises(KeyboardInterrupt):
+            traced(llm, "generate", Interrupt(line, occurrence=2))
+    assert llm.num_steps == 1 and not llm.requests
+    assert_no_block_held(llm)
+
+
+def test_ctrl_c_acts_at_once_while_a_callback_handles_an_exception_of_its_own(sigint_raises):
+    """A SIGINT that comes while an on_step callback is in an except clause of its own interrupts
+    the call there: only a recovery of the engine's holds Ctrl-C back."""
+    llm = engine("swap", [])
+
+    def callback(report):
+        try:
+            {}["missing"]
+        except KeyError:
+            if report.step == 2:
+                os.kill(os.getpid(), signal.SIGINT)
+                sum(range(10))   # a call: Python runs its signal handlers here
+
+    llm.on_step.append(callback)
+    with pytest.raises(KeyboardInterrupt):
+        call(llm, "generate")
+    assert llm.num_steps == 2 and not llm.requests
+    assert_no_block_held(llm)
+
+
+def test_an_undone_step_puts_back_the_cached_blocks_a_prefix_hit_took_in_their_order():
+    """A step that admits a prompt hitting cached blocks, then fails: the cached blocks are in the
+    LRU order they had before it, the hit ones included."""
+    llm = checked(LLM("random:tiny", block_size=4, num_blocks=16))
+    one = SamplingParams(temperature=0, max_tokens=1)
+    first, second = list(range(1, 10)), list(range(11, 20))
+    llm.generate([first], one)
+    llm.generate([second], one)
+    device = llm.block_manager.device
+    before = list(device.cached_block_ids)
+    forward = llm.model.forward
+
+    def broken(*args):
+        llm.model.forward = forward
+        raise RuntimeError("injected")
+
+    llm.model.forward = broken
+    with pytest.raises(RuntimeError):
+        llm.generate([first[:8] + [30, 31]], one)   # hits the first prompt's two blocks
+    assert list(device.cached_block_ids) == before and len(before) == 4
+    assert_no_block_held(llm)

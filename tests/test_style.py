@@ -1,6 +1,6 @@
 """The code reads as the design asks: the reading path (nanopaged.py, model.py and kernel.py down to
-the line that marks its end) holds at most 1,000 code lines, the four .py files at most 2,600
-lines, no line is over 100 characters, and every statement has a line of its own."""
+the line that marks its end) holds at most 1,000 code lines, the four .py files at most 2,250
+code lines, no line is over 100 characters, and every statement has a line of its own."""
 import ast
 import io
 import os
@@ -17,9 +17,10 @@ def source(name):
         return f.read()
 
 
-def reading_path_code_lines(text):
-    """Lines above the first one containing END_MARK that are not blank, not only a comment, and
-    not part of a docstring (a line with code and a trailing comment counts); None if unmarked."""
+def reading_path_code_lines(text, whole=False):
+    """Lines above the first one containing END_MARK (whole: all lines) that are not blank, not
+    only a comment, and not part of a docstring (a line with code and a trailing comment counts);
+    None if unmarked."""
     lines = text.splitlines()
     docstrings = set()
     for node in ast.walk(ast.parse(text)):
@@ -28,7 +29,8 @@ def reading_path_code_lines(text):
             if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
                     and isinstance(first.value.value, str):
                 docstrings.update(range(first.lineno, first.end_lineno + 1))
-    end = next((i for i, line in enumerate(lines, 1) if END_MARK in line.lower()), None)
+    marks = (i for i, line in enumerate(lines, 1) if END_MARK in line.lower())
+    end = len(lines) + 1 if whole else next(marks, None)
     if end is None:
         return None
     return sum(1 for i, line in enumerate(lines[:end - 1], 1)
@@ -49,10 +51,11 @@ def test_the_reading_path_count_sees_code_only():
     assert reading_path_code_lines(text) == 3   # import os, def f():, return 1
 
 
-def test_the_four_files_hold_at_most_2600_lines():
-    """nanopaged.py, kernel.py, model.py and bench.py together stay within the design's size."""
-    lines = {name: len(source(name).splitlines()) for name in FILES}
-    assert sum(lines.values()) <= 2600, lines
+def test_the_four_files_hold_at_most_2250_code_lines():
+    """nanopaged.py, kernel.py, model.py and bench.py together hold at most 2,250 code lines,
+    counted as the reading path is (blank lines, comments and docstrings are free)."""
+    lines = {name: reading_path_code_lines(source(name), whole=True) for name in FILES}
+    assert sum(lines.values()) <= 2250, lines
 
 
 def test_no_line_is_over_100_characters():

@@ -6,8 +6,10 @@ whose outputs must not depend on the tiers, then bad input and Ctrl-C in the mid
 
     python -m pytest -q tests/test_tiers.py
 """
+import contextlib
 import gc
 import os
+import signal
 import subprocess
 import sys
 
@@ -436,3 +438,164 @@ def test_the_disk_file_is_new_and_goes_with_its_engine(tmp_path):
     del llm
     gc.collect()
     assert not path.exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# The disk file: nothing of the user's harmed, whatever becomes of the engine
+
+
+def test_a_relative_disk_path_removes_its_own_file_after_a_change_of_directory(tmp_path,
+                                                                               monkeypatch):
+    """A relative disk_path names the file in the directory of the moment the engine is made: after
+    a chdir, the engine removes its own file, never a file of the same name where it now runs."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "other").mkdir()
+    someone_elses = tmp_path / "other" / "kv.bin"
+    someone_elses.write_text("keep me")
+    monkeypatch.chdir(tmp_path / "run")
+    llm = LLM("random:tiny", block_size=BS, num_blocks=16, num_disk_blocks=8, disk_path="kv.bin")
+    assert (tmp_path / "run" / "kv.bin").exists()
+    monkeypatch.chdir(tmp_path / "other")
+    del llm
+    gc.collect()
+    assert someone_elses.read_text() == "keep me"
+    assert not (tmp_path / "run" / "kv.bin").exists()
+
+
+def test_a_dangling_symlink_is_not_a_new_disk_file(tmp_path):
+    """disk_path naming a symlink to nowhere is refused before the model loads; its target is
+    never created."""
+    link = tmp_path / "kv.bin"
+    link.symlink_to(tmp_path / "target.bin")
+    with pytest.raises(ValueError, match="disk_path"):
+        LLM("random:tiny", block_size=BS, num_blocks=16, num_disk_blocks=8, disk_path=link)
+    assert not (tmp_path / "target.bin").exists() and link.is_symlink()
+
+
+def test_the_disk_file_has_its_space_reserved_whole(tmp_path):
+    """The disk pool's bytes are allocated on the disk when the engine is made (not a sparse file
+    that a full disk turns into a SIGBUS at a later write-down)."""
+    path = tmp_path / "kv.bin"
+    llm = LLM("random:tiny", block_size=BS, num_blocks=16, num_disk_blocks=256, disk_path=path)
+    assert path.stat().st_blocks * 512 >= llm.kv_caches["disk"].nbytes > 0
+
+
+ENGINE_WITH_A_DISK = """
+import sys, time
+from nanopaged import LLM
+llm = LLM("random:tiny", block_size=4, num_blocks=16, num_disk_blocks=8, disk_path=sys.argv[1])
+print(llm.kv_caches["disk"].nbytes, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+@pytest.mark.parametrize("given", [True, False], ids=["disk_path", "temporary"])
+def test_sigterm_and_sighup_remove_the_disk_file(tmp_path, signum, given):
+    """Killed by SIGTERM or SIGHUP, a process dies of that signal as before, its disk file gone
+    (a given disk_path or the default temporary file)."""
+    path = str(tmp_path / "kv.bin") if given else "None"
+    env = dict(os.environ, TMPDIR=str(tmp_path))   # where the temporary file goes
+    script = ENGINE_WITH_A_DISK.replace("disk_path=sys.argv[1]",
+                                        "disk_path=None if sys.argv[1] == 'None' else sys.argv[1]")
+    proc = subprocess.Popen([sys.executable, "-c", script, path], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, text=True)
+    assert int(proc.stdout.readline()) > 0   # the engine is made: its file is there
+    assert len(os.listdir(tmp_path)) == 1
+    proc.send_signal(signum)
+    assert proc.wait(timeout=60) == -signum
+    assert os.listdir(tmp_path) == []
+
+
+TWO_ENGINES_ON_A_SMALL_DISK = """
+import sys
+from nanopaged import LLM, SamplingParams
+folder = sys.argv[1]
+# random:tiny at block_size 4: 2 KiB a block; each disk pool holds 600 KiB of the disk's 1 MiB
+first = LLM("random:tiny", block_size=4, num_blocks=8, num_disk_blocks=300,
+            disk_path=folder + "/first.kv")
+try:
+    LLM("random:tiny", block_size=4, num_blocks=8, num_disk_blocks=300,
+        disk_path=folder + "/second.kv")
+except ValueError as e:
+    print("refused:", e)
+first.kv_caches["disk"].fill_(1.0)   # every byte of the first one's file written
+print(int(first.kv_caches["disk"].sum()) == first.kv_caches["disk"].numel())
+"""
+
+
+@contextlib.contextmanager
+def tmpfs(folder, options):
+    """A small file system mounted at folder for the block (root only: else the test skips)."""
+    folder.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)],
+                           capture_output=True)
+    if mount.returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)])
+
+
+def test_two_engines_on_a_nearly_full_disk_the_second_is_refused_none_dies(tmp_path):
+    """On a 1 MiB file system, an engine whose 600 KiB disk pool fits is made and writes all of
+    it; a second one of 600 KiB is a ValueError, not a SIGBUS at its first write-down."""
+    with tmpfs(tmp_path / "disk", "size=1M") as folder:
+        run = subprocess.run([sys.executable, "-c", TWO_ENGINES_ON_A_SMALL_DISK, str(folder)],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        refused, written = run.stdout.splitlines()
+        assert refused.startswith("refused: num_disk_blocks") and "MiB free" in refused
+        assert written == "True"
+        assert os.listdir(folder) == []
+
+
+NO_FILE_HERE = """
+import sys
+from nanopaged import LLM
+try:
+    LLM("random:tiny", num_blocks=8, num_disk_blocks=8, disk_path=sys.argv[1] + "/kv.bin")
+except ValueError as e:
+    print(e)
+"""
+
+
+@pytest.mark.parametrize("place", ["/proc", "read-only"])
+def test_a_disk_path_where_no_file_can_be_made_is_one_clean_error(tmp_path, place):
+    """disk_path in a folder where no file can be made, even by root (/proc, a file system mounted
+    read-only), is a ValueError naming it, and nothing is left to clean up ('Exception ignored')."""
+    with (tmpfs(tmp_path / "ro", "size=1M,ro") if place == "read-only" else
+          contextlib.nullcontext(place)) as folder:
+        run = subprocess.run([sys.executable, "-c", NO_FILE_HERE, str(folder)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.startswith("disk_path"), run.stdout + run.stderr
+    assert "Exception" not in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+FORKED_CHILDREN_END = """
+import multiprocessing, os, sys
+from nanopaged import LLM
+llm = LLM("random:tiny", block_size=4, num_blocks=16, num_disk_blocks=8, disk_path=sys.argv[1])
+with multiprocessing.get_context("fork").Pool(2) as pool:   # its end sends SIGTERM to each child
+    pool.map(abs, [-1, -2])
+print(os.path.exists(sys.argv[1]))
+"""
+
+
+def test_a_forked_child_ending_leaves_its_parents_disk_file_alone(tmp_path):
+    """Children forked from a process with an engine (a multiprocessing pool, ended by SIGTERM)
+    inherit its handlers, and still never remove the disk file: only the process that made it."""
+    path = tmp_path / "kv.bin"
+    run = subprocess.run([sys.executable, "-c", FORKED_CHILDREN_END, str(path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert (run.returncode, run.stdout) == (0, "True\n"), run.stderr
+    assert not path.exists()   # the parent removed it at its exit
+
+
+def test_a_disk_pool_too_large_for_any_file_is_a_value_error(tmp_path):
+    """num_disk_blocks past what a file may hold (2**63 bytes) is a ValueError, no file left."""
+    with pytest.raises(ValueError, match="num_disk_blocks"):
+        LLM("random:tiny", block_size=4, num_blocks=8, num_disk_blocks=2 ** 53,
+            disk_path=tmp_path / "kv.bin")
+    assert os.listdir(tmp_path) == []
