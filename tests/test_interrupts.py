@@ -262,6 +262,17 @@ def check_every_point(mode, kind, where_to, error, in_steps_only=False):
     assert interrupted >= len(where_to) // 2
 
 
+def fail_the_next_forward(llm):
+    """The model's next forward raises (after the step has allocated, evicted, hit); later ones run."""
+    forward = llm.model.forward
+
+    def broken(*args):
+        llm.model.forward = forward
+        raise RuntimeError("injected")
+
+    llm.model.forward = broken
+
+
 def test_an_undone_step_keeps_the_order_in_which_cached_blocks_are_evicted():
     """A step undone by an error keeps the prefix cache's LRU order: the system prompt's blocks,
     freed last, are still evicted last, so a later prompt finds all 16 of its tokens, the same
@@ -274,13 +285,7 @@ def test_an_undone_step_keeps_the_order_in_which_cached_blocks_are_evicted():
         llm.generate([system + [1, 2, 3, 4]], greedy)   # its blocks cached, the system's freed last
         [other] = llm.add_requests([list(range(200, 216))], greedy)
         if fail:   # its first step fails after allocating (and evicting), in the forward
-            forward = llm.model.forward
-
-            def broken(*args):
-                llm.model.forward = forward
-                raise RuntimeError("injected")
-
-            llm.model.forward = broken
+            fail_the_next_forward(llm)
             with pytest.raises(RuntimeError):
                 llm.step()
         while llm.scheduler.has_unfinished():
@@ -340,13 +345,7 @@ def test_an_undone_step_puts_back_the_cached_blocks_a_prefix_hit_took_in_their_o
     llm.generate([second], one)
     device = llm.block_manager.device
     before = list(device.cached_block_ids)
-    forward = llm.model.forward
-
-    def broken(*args):
-        llm.model.forward = forward
-        raise RuntimeError("injected")
-
-    llm.model.forward = broken
+    fail_the_next_forward(llm)
     with pytest.raises(RuntimeError):
         llm.generate([first[:8] + [30, 31]], one)   # hits the first prompt's two blocks
     assert list(device.cached_block_ids) == before and len(before) == 4
