@@ -65,6 +65,7 @@ def run(llm, label, prompts, params, live=False):
     """Requests through the engine: (each output's token ids, seconds, the pool after each step)."""
     task = progress.add_task(label, total=sum(p.max_tokens * p.n for p in params))
     seen = []
+
     def watch(step):
         tables = [s.block_table for r in llm.scheduler.running for s in r.seqs]
         seen.append(dict(step.stats, used_blocks=llm.block_manager.num_used_blocks(),

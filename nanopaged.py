@@ -96,9 +96,11 @@ class Sequence:
 
     def __len__(self):
         return len(self.token_ids)
+
     @property
     def num_output_tokens(self):
         return len(self.token_ids) - self.num_prompt_tokens
+
     @property
     def output_token_ids(self):
         return self.token_ids[self.num_prompt_tokens:]
@@ -113,6 +115,7 @@ class Sequence:
 
     def append_token(self, token_id):
         self.token_ids.append(token_id)
+
     def fork(self, index=0):
         """Sample `index` (or a beam) of its request, on this one's blocks: BlockManager.fork."""
         child = Sequence(self.token_ids, self.request_id, index)
@@ -128,6 +131,7 @@ class RequestStatus(Enum):
 class Request:
     """One prompt and its params: the unit the scheduler admits, preempts and swaps, always whole.
     It starts as one sequence; n>1 samples fork from it as they draw their first tokens."""
+
     def __init__(self, request_id, token_ids, params, seed):
         self.request_id, self.params = request_id, params
         self.prompt_token_ids = list(token_ids)
@@ -145,6 +149,7 @@ class Request:
     @property
     def is_beam_search(self):
         return isinstance(self.params, BeamSearchParams)
+
     @property
     def past_first_token(self):   # has it sampled its first token (where n>1 samples fork)?
         return bool(self.finished) or self.seqs[0].num_output_tokens > 0
@@ -179,6 +184,7 @@ class Pool:
     """One tier of blocks of one shape: the device pool, the host pool or the disk pool. Each
     block is used (ref_count > 0), cached (ref_count 0 but registered in the prefix cache: its
     K/V reusable until evicted) or free, and moves between these in O(1)."""
+
     def __init__(self, name, num_blocks):
         self.name = name
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -197,6 +203,7 @@ class BlockManager:
     the host pool (swapped-out requests, cached blocks evicted from the device); the disk pool
     (cached blocks evicted from the host). Whoever writes K/V calls cache_full_blocks(seq) after;
     every K/V copy decided here is queued in `copies`, for the engine to make."""
+
     def __init__(self, num_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=True,
                  events=None, num_disk_blocks=0, cost=None):
         check_pool_args(num_blocks, block_size, num_cpu_blocks, num_disk_blocks)
@@ -228,13 +235,16 @@ class BlockManager:
         # the first block hashes its tokens alone, not (None, *tokens): before Python 3.12
         # hash(None) changes from run to run; tuples of ints hash the same every run
         return hash(tuple(token_ids) if parent_hash is None else (parent_hash, *token_ids))
+
     def _tokens(self, seq, i):
         return tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+
     def _block_hash(self, seq, i):
         for j in range(len(seq.block_hashes), i + 1):
             parent_hash = seq.block_hashes[-1] if j else None
             seq.block_hashes.append(self.compute_hash(parent_hash, self._tokens(seq, j)))
         return seq.block_hashes[i]
+
     def _registered(self, tiers, h, tokens, parent_prefix_id):
         """[(tier, block)] registered as the prefix (h, tokens) after prefix parent_prefix_id: a
         hash may collide, but a parent's prefix id and a block's own tokens name one prefix."""
@@ -295,6 +305,7 @@ class BlockManager:
         block.ref_count = 1
         self.events.record_ref(pool, "allocate", seq, block)
         return block.block_id
+
     def _hold(self, pool, block, seq):
         if block.ref_count == 0:   # a cached block comes back to life (a block just taken is
             pool.cached_block_ids.pop(block.block_id, None)   # in no list)
@@ -330,9 +341,11 @@ class BlockManager:
     # -- whole sequences
     def _num_blocks_for(self, num_tokens):
         return (num_tokens + self.block_size - 1) // self.block_size
+
     def _take_blocks_for_all_tokens(self, seq):
         for _ in range(self._num_blocks_for(len(seq)) - len(seq.block_table)):
             seq.block_table.append(self._take_block(self.device, seq))
+
     def num_shared(self, leader, seq):
         """Blocks seq can share with leader, its sibling: the leading blocks that hold the same
         tokens in both, before the block of either one's last token (its writer's own)."""
@@ -373,10 +386,12 @@ class BlockManager:
     def _needs_new_block(self, seq):
         # the next step writes the K/V of seq's last token; its block may not exist yet
         return (len(seq) - 1) // self.block_size == len(seq.block_table)
+
     def _needs_copy(self, seq):
         # ... or exist but be shared, and a block with ref_count > 1 is never written
         last = seq.block_table[-1]
         return not self._needs_new_block(seq) and self.device.blocks[last].ref_count > 1
+
     def can_append(self, seq):
         return self.num_free_blocks > 0 or not (self._needs_new_block(seq) or self._needs_copy(seq))
 
@@ -474,6 +489,7 @@ class BlockManager:
         pairs = self._move(seqs, self.device, self.host, "swap out")
         self.num_swapped_out_blocks += len(pairs)
         return pairs
+
     def swap_in(self, *seqs):
         """Move seqs back to the device pool. Returns [(host_block, device_block)]."""
         pairs = self._move(seqs, self.host, self.device, "swap in")
@@ -499,6 +515,7 @@ class BlockManager:
     # -- what the metrics read, and the rules, checked
     def num_used_blocks(self):
         return self.num_blocks - self.num_free_blocks
+
     def check_invariants(self):
         check_block_manager(self)   # (section 6)
 
@@ -516,19 +533,23 @@ class ScheduledBatch:
     @property
     def num_tokens(self):
         return sum(e.num_new_tokens for e in self.entries)
+
     @property
     def is_full(self):
         return self.num_tokens == self.budget
+
     def add(self, request, seq):
         # a prompt longer than what is left of the budget is computed in chunks (chunked prefill)
         chunk = min(len(seq) - seq.num_computed_tokens, self.budget - self.num_tokens)
         self.entries.append(ScheduledSeq(request, seq, chunk))
+
     def remove(self, request):
         self.entries = [e for e in self.entries if e.request is not request]
 
 class Scheduler:
     """First come, first served continuous batching of requests under a token budget per step
     (schedule() tells the order); a sequence short of a block preempts the newest request."""
+
     def __init__(self, block_manager, max_num_seqs=256, max_num_batched_tokens=2048,
                  watermark=0.01, eos_token_ids=(), preemption_mode="auto"):
         self.block_manager = block_manager   # (LLM checks the arguments, before the model loads)
@@ -545,12 +566,16 @@ class Scheduler:
 
     def add(self, request):
         self.waiting.append(request)
+
     def has_unfinished(self):
         return bool(self.waiting or self.running or self.swapped)
+
     def _fits(self, request):
         return sum(r.max_num_running_seqs for r in [*self.running, request]) <= self.max_num_seqs
+
     def _watermark(self):   # with nothing running no decode can starve: a request may fill the pool
         return self.watermark_blocks if self.running else 0
+
     def _start_running(self, request, batch):   # its sequences with tokens to compute join batch
         request.status = RequestStatus.RUNNING
         bisect.insort(self.running, request, key=lambda r: r.request_id)
@@ -717,6 +742,7 @@ StepReport = namedtuple("StepReport", "step batch events stats seconds")
 class LLM:
     """The engine: owns the model, the KV cache pools, the block manager and the scheduler.
     generate() adds requests and runs step() (one batch through the model) until they finish."""
+
     def __init__(self, model=None, device=None, dtype=None, block_size=16, num_blocks=None,
                  num_cpu_blocks=0, num_disk_blocks=0, disk_path=None, enable_prefix_caching=True,
                  max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=None,
@@ -795,6 +821,7 @@ class LLM:
         """prompts: a string, a list of strings or of token-id lists; params: one for all, or one
         per prompt; live: watch it in the terminal (View). Returns a RequestOutput per prompt."""
         return self._run(prompts, params, SamplingParams, live)
+
     def beam_search(self, prompts, params, live=False):
         """The beam_width likeliest continuations of each prompt: a BeamSearchOutput per prompt."""
         return self._run(prompts, params, BeamSearchParams, live)
@@ -934,12 +961,16 @@ class LLM:
 def require(ok, message):   # a ValueError saying what is wrong and what is allowed
     if not ok:
         raise ValueError(message)
+
 def is_int(x):
     return isinstance(x, int) and not isinstance(x, bool)   # True is an int to Python, not to us
+
 def is_number(x):   # a finite int or float
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
 def require_int(name, x, low, note=""):   # a ValueError naming the parameter and its bound
     require(is_int(x) and x >= low, f"{name} must be an int >= {low}{note}, got {x!r}")
+
 def require_bool(name, x):
     require(isinstance(x, bool), f"{name} must be a bool, got {x!r}")
 
@@ -963,6 +994,7 @@ MIN_TEMPERATURE = 0.01   # logits / temperature overflow float32 near 1e-38; 0 m
 MIN_TOP_P = 1e-6         # top_p is compared with float32 probabilities, where 1e-300 is 0
 MAX_LENGTH_PENALTY = 10  # 131072 ** 10 is about 1e51: no overflow, no division by zero
 MAX_DELAY = 60           # --delay at most, in seconds a step (and per event): --step waits longer
+
 def check_sampling_params(p):
     t = p.temperature
     require(is_number(t) and (t == 0 or t >= MIN_TEMPERATURE),
@@ -975,12 +1007,14 @@ def check_sampling_params(p):
     require_bool("ignore_eos", p.ignore_eos)
     if p.seed is not None:
         check_seed(p.seed)
+
 def check_pool_args(num_blocks, block_size, num_cpu_blocks, num_disk_blocks=0):
     require(is_int(block_size) and block_size >= 1 and not block_size & (block_size - 1),
             f"block_size must be a positive power of two (1, 2, 4, ... 16 ...), got {block_size!r}")
     require_int("num_blocks", num_blocks, 1)
     require_int("num_cpu_blocks", num_cpu_blocks, 0)
     require_int("num_disk_blocks", num_disk_blocks, 0)
+
 def check_engine_args(model, device, dtype, block_size, num_blocks, num_cpu_blocks, num_disk_blocks,
                       disk_path, enable_prefix_caching, max_num_seqs, max_num_batched_tokens,
                       max_model_len, preemption_mode, seed, swap_space, debug_blocks):
@@ -1024,12 +1058,14 @@ def check_engine_args(model, device, dtype, block_size, num_blocks, num_cpu_bloc
             "preemption_mode='swap' needs a host pool: num_cpu_blocks > 0 or swap_space (GiB)")
     check_seed(seed)
     require_bool("debug_blocks", debug_blocks)
+
 def require_memory(num_bytes, what):   # refused as "<what> this machine's memory (N GiB)"
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError):   # the system does not say: no check
         return
     require(num_bytes <= ram, f"{what} this machine's memory ({ram >> 30} GiB)")
+
 def check_loaded_model(llm, max_model_len, preemption_mode, num_blocks, num_cpu_blocks,
                        swap_space, bytes_per_block):
     """What can only be checked once the model is known: its length, its block size in bytes."""
@@ -1045,6 +1081,7 @@ def check_loaded_model(llm, max_model_len, preemption_mode, num_blocks, num_cpu_
             f"max_model_len {max_model_len} exceeds the model's {longest}")
     require(preemption_mode != "swap" or num_cpu_blocks >= 1,
             f"swap_space {swap_space} GiB holds no block of {bytes_per_block} bytes")
+
 def tokenize(llm, prompt):
     if isinstance(prompt, str):
         require(llm.tokenizer is not None,
@@ -1053,6 +1090,7 @@ def tokenize(llm, prompt):
     require(isinstance(prompt, (list, tuple)),
             f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
     return list(prompt)
+
 def checked_requests(llm, prompts, params, kind):   # [(token_ids, params)], all checked
     require(kind in (SamplingParams, BeamSearchParams),
             f"kind must be SamplingParams or BeamSearchParams, got {kind!r}")
@@ -1074,6 +1112,7 @@ def checked_requests(llm, prompts, params, kind):   # [(token_ids, params)], all
     for token_ids, p in requests:
         validate_request(llm, token_ids, p)
     return requests
+
 def validate_request(llm, token_ids, params):
     vocab = llm.model.config.vocab_size
     max_num_seqs = llm.scheduler.max_num_seqs
@@ -1161,6 +1200,7 @@ EVENT_WORDS = {   # the plain words of each kind of event, for the debug log and
     "register": "seq {seqs} registers block {blocks} in the prefix cache (prefix {note})",
 }
 DEBUG_KINDS = frozenset(["allocate", "ref+1", "ref-1", "cache", "free", "register"])
+
 @dataclass(frozen=True)
 class Event:
     step: int
@@ -1174,6 +1214,7 @@ class Event:
     def words(self):
         return EVENT_WORDS[self.kind].format(seqs=_ids(self.seq_ids), blocks=_ids(self.block_ids),
                                              to=_ids(self.to_ids), note=self.note, tier=self.tier)
+
 @dataclass
 class EventLog:   # what the block manager and the scheduler did, taken after each step
     debug: bool = False   # keep the debug kinds too: one event per ref-count change
@@ -1184,13 +1225,16 @@ class EventLog:   # what the block manager and the scheduler did, taken after ea
         if self.debug or kind not in DEBUG_KINDS:
             self.records.append(Event(self.step, kind, tuple(seq_ids), tuple(block_ids),
                                       tuple(to_ids), str(note), tier))
+
     def record_ref(self, pool, kind, seq, block):   # a debug kind: a ref-count change
         if self.debug:   # (no string is made per ref-count change otherwise)
             note = f"{pool.name} tier, ref {block.ref_count}"
             self.record(kind, [seq.seq_id], [block.block_id], note=note)
+
     def take(self):
         records, self.records = self.records, []
         return records
+
 def engine_stats(llm):   # LLM.stats(): fractions and counts, named as vLLM names them
     bm = llm.block_manager
     used = bm.num_used_blocks()
@@ -1209,6 +1253,7 @@ def engine_stats(llm):   # LLM.stats(): fractions and counts, named as vLLM name
         "num_prefill_tokens_computed": llm.num_prefill_tokens_computed,
         "num_generated_tokens": llm.num_generated_tokens,
     }
+
 def num_stored_tokens(bm):   # distinct token slots holding K/V in used blocks: shared ones once
     filled = {}
     for seq in bm.device.seqs.values():
@@ -1216,6 +1261,7 @@ def num_stored_tokens(bm):   # distinct token slots holding K/V in used blocks: 
             n = min(bm.block_size, max(0, seq.num_written_tokens - i * bm.block_size))
             filled[block_id] = max(filled.get(block_id, 0), n)
     return sum(filled.values())
+
 def print_debug_log(report):   # the debug log (debug_blocks=True): an on_step callback
     for e in report.events:
         print(f"step {e.step:5}  {e.kind:10}  {e.words()}", file=sys.stderr)
@@ -1255,12 +1301,15 @@ class CostModel:
         cost = cls(block_size, seconds)
         llm.on_step.append(cost.observe)
         return cost
+
     def observe(self, report):   # a moving average, set by the first step
         weight = 0.1 if self.seconds_per_token else 1.0
         per_token = report.seconds / report.batch.num_tokens
         self.seconds_per_token += weight * (per_token - self.seconds_per_token)
+
     def worth_loading(self, tier):   # a block's copy up against recomputing its tokens
         return self.seconds_per_block[tier] < self.block_size * self.seconds_per_token
+
     def cheaper_mode(self, bm, request):
         leader = request.seqs[0]   # a recompute computes it whole, the others past what they share
         num_tokens = len(leader) + sum(len(s) - bm.block_size * bm.num_shared(leader, s)
@@ -1268,6 +1317,7 @@ class CostModel:
         num_blocks = len({b for s in request.seqs for b in s.block_table})
         swap_seconds = 2 * num_blocks * self.seconds_per_block["host"]   # out, then back in
         return "swap" if swap_seconds < num_tokens * self.seconds_per_token else "recompute"
+
 def open_disk_pool(llm, path, shape):
     """The disk tier's K/V: a new file (by default a temporary one) mapped into memory, so that a
     copy is the OS's write or read (its page cache may keep it). Its space is reserved whole now:
@@ -1332,6 +1382,7 @@ def remove_disk_files(signum, frame):   # SIGTERM, SIGHUP: their default action,
 def copy_state(obj):   # an object's attributes; the lists, deques, Counters a step edits, copied
     return {k: copy.copy(v) if isinstance(v, (list, deque, Counter)) else v
             for k, v in vars(obj).items()}
+
 class Undo:
     def __init__(self, llm):
         self.llm, sched = llm, llm.scheduler
@@ -1342,6 +1393,7 @@ class Undo:
                    *(s for r in requests for s in r.seqs)]
         self.states = [(obj, copy_state(obj)) for obj in objects]
         self.random_states = [(g, g.get_state()) for r in requests for g in r.generators]
+
     def restore(self):   # (called by recovery(), which holds Ctrl-C until it is done)
         sched, bm = self.llm.scheduler, self.llm.block_manager
         unmade = {(tier, block_id) for _, _, tier, block_id in bm.copies}   # never copied to
@@ -1461,6 +1513,7 @@ def sample(logits, request, i):
         drop = torch.zeros_like(drop).scatter(0, order, drop)   # back in vocabulary order
         logits = logits.masked_fill(drop, float("-inf"))
     return int(torch.multinomial(logits.softmax(-1), 1, generator=request.generators[i]))
+
 @dataclass(frozen=True)
 class BeamSearchParams:
     beam_width: int
@@ -1475,6 +1528,7 @@ class BeamSearchParams:
         require(is_number(lp) and abs(lp) <= bound,
                 f"length_penalty must be a number in [-{bound}, {bound}], got {lp!r}")
         require_bool("ignore_eos", self.ignore_eos)
+
     @property
     def n(self):   # the most sequences the request holds at once: what the pool is sized by
         return self.beam_width
@@ -1489,6 +1543,7 @@ BeamHypothesis = namedtuple("BeamHypothesis", "token_ids cum_logprob finish_reas
 BeamSearchOutput = namedtuple("BeamSearchOutput", "request_id prompt_token_ids sequences")
 BeamSearchSequence = namedtuple("BeamSearchSequence",
                                 "token_ids text cum_logprob score finish_reason")
+
 def beam_round(scheduler, request):   # one round, as above; returns how many tokens it adds
     params = request.params
     candidates = []
@@ -1517,6 +1572,7 @@ def beam_round(scheduler, request):   # one round, as above; returns how many to
             request.hypotheses.append(hypothesis)
             scheduler.finish(request, beam, "length")
     return len(chosen)
+
 def beam_output(llm, request):   # the best by vLLM's score, whose length counts no ending eos
     def score(h):
         length = len(request.prompt_token_ids) + len(h.token_ids) - (h.finish_reason == "stop")
@@ -1533,11 +1589,13 @@ def beam_output(llm, request):   # the best by vLLM's score, whose length counts
 
 def printable(text):   # never raw: a newline as a space, other control characters escaped
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text.replace("\n", " "))
+
 def wrapped(text, width, style=None, indent=2):   # rows of at most width columns, nothing cut
     rows = textwrap.wrap(text, width, subsequent_indent=" " * indent, break_on_hyphens=False)
     return [Text(row, style) for row in rows]
 MIN_VIEW_WIDTH = 64   # a sequence row: its ids, state, K/V, block table, some text
 HOLDER_COLOURS = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "orange3"]
+
 def table_text(pool, block_table, width):
     """A block table in width columns: runs of ids as first-last (*: shared), its middle as (+k)."""
     shared = lambda b: "*" if pool[b].ref_count > 1 else ""
@@ -1553,9 +1611,11 @@ def table_text(pool, block_table, width):
         if len(text) + 2 <= width:
             break
     return f"[{text}]"
+
 class View:
     """Draws the engine after every step (an on_step callback); live: in place, on the terminal's
     screen (the last frame stays), else a trace. `with View(llm): llm.generate(...)`."""
+
     def __init__(self, llm, live=True, console=None, delay=0.0, svg=None, svg_step=None,
                  wait=False):
         self.llm, self.live = llm, live
@@ -1570,18 +1630,21 @@ class View:
         self.events = deque(maxlen=1000)   # recent story events (debug kinds are not shown)
         self.rich_live = self.last_frame = None   # while live: rich's Live, the frame it shows
         self.draw_seconds = 0.0     # time spent drawing: the view's own cost
+
     def __enter__(self):
         self.llm.on_step.append(self)
         if self.live:   # the terminal's own screen: what was printed before (loading) stays off it
             self.rich_live = Live(console=self.console, auto_refresh=False, screen=True)
             self.rich_live.start()
         return self
+
     def __exit__(self, *exc):
         self.llm.on_step.remove(self)
         if self.rich_live is not None:
             self.rich_live.stop()   # the terminal is the user's again, after Ctrl-C too
             if self.last_frame is not None:
                 self.console.print(self.last_frame)
+
     def __call__(self, report):
         t0 = time.perf_counter()
         story = [e for e in report.events if e.kind not in DEBUG_KINDS]
@@ -1599,6 +1662,7 @@ class View:
         time.sleep(self.delay * (1 + len(story)))
         if self.wait:
             sys.stdin.readline()   # Enter: the next step
+
     def frame(self, report, events, height=None):
         """The engine after a step, in rows that fit the width. With a height (a live terminal)
         the events take the rows left: this step's that fit, a count of the rest, then older."""
@@ -1625,10 +1689,12 @@ class View:
                 break
             shown = event_rows + shown
         return Group(*top, *seqs, *shown)
+
     def too_small(self, report, events, width, height, rows_needed):   # what fits: a note
         note = (f"step {report.step}: {len(events)} events. The terminal ({width}x{height}) is too "
                 f"small for the view: it needs {MIN_VIEW_WIDTH} columns and {rows_needed} rows")
         return Group(*wrapped(note, width, indent=0)[:height])
+
     def metrics(self, report, width):   # the pool's fill, then what the memory system did so far
         s, bm = report.stats, self.llm.block_manager
         first = (f"step {report.step} | usage {s['kv_cache_usage_perc']:.0%} "
@@ -1643,6 +1709,7 @@ class View:
                        f"{s['num_loaded_blocks']} (host {s['host_prefix_cache_hits']} tokens, "
                        f"disk {s['disk_prefix_cache_hits']})")
         return wrapped(first, width) + wrapped(second, width)
+
     def batch(self, batch, width):   # prefill chunks beside decodes (postprocess: seqs past them)
         ran = [(s, s.num_computed_tokens - n, n) for _, s, n in batch.entries]   # (seq, start, n)
         parts = [f"seq {s.seq_id} prefill {start}-{start + n - 1} of {s.prefill_until}"
@@ -1651,6 +1718,7 @@ class View:
         parts += [f"seqs {_ids(decodes)} decode"] * bool(decodes)
         tokens = f"{batch.num_tokens} token" + "s" * (batch.num_tokens != 1)
         return wrapped(f"ran {tokens}: " + " | ".join(parts), width)
+
     def _cells(self, blocks, seqs, per_cell):   # a cell per per_cell blocks: see the key in pools()
         holders = {}   # block id -> ids of the requests whose tables hold it
         for seq in seqs:
@@ -1671,6 +1739,7 @@ class View:
                 cells.append(str(b.ref_count) if b.ref_count < 10 else "+",
                              f"bold {hue}" if b.ref_count > 1 else hue)
         return cells
+
     def pools(self, width, max_rows):   # each tier's rows of cells, then the key to every symbol
         tiers = [pool for pool in self.llm.block_manager.tiers if pool.blocks]
         n = 64 if width >= 76 else 32   # cells a row
@@ -1686,6 +1755,7 @@ class View:
         if folds:
             key += f" | {', '.join(folds)}: █ all used, ▒ some used, · some cached, . all free"
         return lines + wrapped(key, width, "dim")
+
     def sequences(self, width, max_rows):   # a row per live sequence: K/V written, table, text
         bm, sched = self.llm.block_manager, self.llm.scheduler
         rows = [(r, s) for r in [*sched.running, *sched.swapped, *sched.waiting] for s in r.seqs]
@@ -1706,11 +1776,13 @@ class View:
 SVG_CHAR_WIDTH = 20 * 0.61   # rich's SVG: 20-pixel characters of Fira Code's aspect ratio
 SVG_RUN = re.compile(r'x="([\d.]+)" (y="[\d.]+") textLength="([\d.]+)"([^>]*)>'
                      r'((?:&#160;)*)(.*?)((?:&#160;)*)</text>')
+
 def save_svg(frame, path, width):
     """The frame as an SVG image, each run of text at its column: rsvg-convert drops a run's
     leading and trailing spaces (&#160;), so they go into its x and length instead."""
     recorder = Console(record=True, width=width, file=io.StringIO())
     recorder.print(frame)
+
     def aligned(m):
         lead, trail = len(m[5]) // 6, len(m[7]) // 6
         x = float(m[1]) + lead * SVG_CHAR_WIDTH
@@ -1744,6 +1816,7 @@ DEMO_POOLS = {"mix": dict(num_blocks=24, num_cpu_blocks=12, preemption_mode="swa
               "evict": dict(num_blocks=12), "watermark": dict(num_blocks=100),   # a watermark of 1
               "tiers": dict(num_blocks=20, num_cpu_blocks=4, num_disk_blocks=12),
               **{name: dict(num_blocks=64) for name in ("prefix", "beam", "batching")}}
+
 def demo_arrivals(name, text):
     """A demo's requests, [(step, prompts, params)]: each queued once the engine has run `step`
     steps (an idle engine skips ahead to the next), so a trace repeats exactly."""
@@ -1770,6 +1843,7 @@ def demo_arrivals(name, text):
         "tiers": [(0, [text(q, 28) for q in ask[:2]], greedy), (12, ask[2:], greedy),
                   (24, [text(q, 28) + text(" Say more.") for q in ask[:2]], greedy)],
     }[name]
+
 def demo_text(llm):   # text(s, length): token ids (random weights: a made-up id a word)
     def text(s, length=None):
         if isinstance(s, str):
@@ -1777,9 +1851,11 @@ def demo_text(llm):   # text(s, length): token ids (random weights: a made-up id
             s = tokenize(llm, s) if llm.tokenizer else [sum(w.encode()) % vocab for w in s.split()]
         return (s * length)[:length] if length else s
     return text
+
 def demo_pool(name, block_size):   # DEMO_POOLS counts 4-token blocks: smaller ones get more
     scale = max(1, 4 // max(1, block_size))   # a block_size < 1 is refused by check_pool_args
     return {k: v * scale if k.startswith("num_") else v for k, v in DEMO_POOLS[name].items()}
+
 def run_demo(llm, name, live=False, trace=False, delay=0.0, svg=None, svg_step=None, wait=False):
     """Run a demo (every request checked first), print its outputs; return its seconds, its View."""
     arrivals = demo_arrivals(name, demo_text(llm))
@@ -1802,6 +1878,7 @@ def run_demo(llm, name, live=False, trace=False, delay=0.0, svg=None, svg_step=N
             how = f"score {c.score:.3f}" if beams else c.finish_reason
             print(f"[{out.request_id}] {c.text or c.token_ids!r}  ({how})")
     return time.perf_counter() - t0, view
+
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):   # bad input on the command line: one line, exit status 2
         print(f"{self.prog}: error: {message}", file=sys.stderr)

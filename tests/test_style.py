@@ -79,3 +79,39 @@ def test_one_statement_per_line():
                 if body[0].lineno == node.lineno:
                     joined.append(f"{name}:{node.lineno}")
     assert not joined, f"statements sharing a line: {joined}"
+
+
+def defs_without_a_blank_line(text):
+    """Line numbers of each def or class that is not the first statement of its block and has no
+    blank line above it (above its decorators and the comment lines that lead into it)."""
+    lines = text.splitlines()
+    glued = []
+    for node in ast.walk(ast.parse(text)):
+        for field in ("body", "orelse", "finalbody"):
+            block = getattr(node, field, None)
+            if not isinstance(block, list):
+                continue
+            for statement in block[1:]:
+                if not isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    continue
+                first = min([statement.lineno] + [d.lineno for d in statement.decorator_list])
+                above = first - 2   # index of the line above it
+                while above >= 0 and lines[above].strip().startswith("#"):
+                    above -= 1
+                if above >= 0 and lines[above].strip():
+                    glued.append(statement.lineno)
+    return sorted(glued)
+
+
+def test_a_blank_line_before_every_def_and_class():
+    """Every def and class but the first statement of its block has a blank line before it (its
+    decorators and leading comments go with it), as in the first reading."""
+    glued = {name: defs_without_a_blank_line(source(name)) for name in FILES}
+    assert not any(glued.values()), f"defs glued to the line above: {glued}"
+
+
+def test_the_blank_line_rule_sees_glued_defs():
+    """The rule flags a method glued to the one above, and passes spaced ones and first ones."""
+    text = ("class A:\n    def f(self):\n        return 1\n    # g's comment\n    def g(self):\n"
+            "        return 2\n\n    @property\n    def h(self):\n        return 3\n")
+    assert defs_without_a_blank_line(text) == [5]
