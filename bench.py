@@ -214,7 +214,7 @@ def preemption(args):
     llm = LLM(args.model, device=args.device, num_blocks=args.num_requests * MAX_LEN // 16)
     prompts, params = mixed_workload(llm, args.num_requests // (2 if args.quick else 1), seed=2)
     want, _, seen = run(llm, "preemption, unconstrained", prompts, params)
-    need = max(llm.max_blocks_needed(len(p), q) for p, q in zip(prompts, params))
+    need = max(nanopaged.max_blocks_needed(llm, len(p), q) for p, q in zip(prompts, params))
     num_blocks = max(need, max(s["used_blocks"] for s in seen) // 3)
     rows = []
     for mode in ("recompute", "swap", "auto")[:2 if args.quick else 3]:   # --quick: no auto

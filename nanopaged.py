@@ -15,14 +15,14 @@ table mapping its logical blocks to physical ones. That one indirection buys:
 
 Read it from the top down to the banner that ends the reading path: the engine in the order
 one request travels, with every mechanism of its memory system.
-  1. SamplingParams, Sequence, Request    what a request is
+  1. SamplingParams, BeamSearchParams, Sequence, Request    what a request is
   2. Block, Pool, BlockManager    the tiers: allocate with prefix-cache hits in any tier, copy-on-
                                   write, fork, free, eviction down the tiers, swap
   3. ScheduledBatch, Scheduler    which tokens run this step; preemption when blocks run out
-  4. LLM                          the engine: block copies, tensors for the model, sampling, step
+  4. sample, LLM                  the engine: block copies, tensors for the model, sampling, step
 After it, for a second reading: 5. API guards, 6. invariant checks, 7. events and the debug log,
-8. the cost rule, 9. failure recovery, 10. sampling and beam search, 11. the live view, 12. the
-command line and its demos.
+8. the cost rule and the disk file, 9. failure recovery, 10. beam search rounds, 11. the live
+view, 12. the command line and its demos.
 
     python nanopaged.py --live           watch the default demo: the pool, every block table
     python nanopaged.py --demo fork --trace    a plain-text snapshot per step, for handouts
@@ -69,8 +69,23 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None    # None: derived from the engine's seed and the request id
 
+    def __post_init__(self):   # each a ValueError naming it (section 5); seed None: the engine's
+        check_args(**{k: v for k, v in vars(self).items() if k != "seed" or v is not None})
+
+@dataclass(frozen=True)
+class BeamSearchParams:   # LLM.beam_search: the beam_width likeliest continuations (section 10)
+    beam_width: int
+    max_tokens: int = 16
+    length_penalty: float = 1.0   # score = cum_logprob / length ** length_penalty (beam_output)
+    ignore_eos: bool = False
+
     def __post_init__(self):
-        check_sampling_params(self)   # (section 5, API guards)
+        check_args(**vars(self))   # each a ValueError naming it (section 5)
+
+    @property
+    def n(self):   # the most sequences the request holds at once: what the pool is sized by
+        return self.beam_width
+
 
 class Sequence:
     """One stream of tokens: a prompt and what was generated after it, and the block table saying
@@ -116,8 +131,9 @@ class Sequence:
     def append_token(self, token_id):
         self.token_ids.append(token_id)
 
-    def fork(self, index=0):
-        """Sample `index` (or a beam) of its request, on this one's blocks: BlockManager.fork."""
+    def child(self, index=0):
+        """A new sequence with this one's tokens: sample `index` (or a beam) of its request, to
+        share this one's blocks (BlockManager.fork)."""
         child = Sequence(self.token_ids, self.request_id, index)
         child.num_prompt_tokens = self.num_prompt_tokens
         return child
@@ -206,7 +222,8 @@ class BlockManager:
 
     def __init__(self, num_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=True,
                  events=None, num_disk_blocks=0, cost=None):
-        check_pool_args(num_blocks, block_size, num_cpu_blocks, num_disk_blocks)
+        check_args(num_blocks=num_blocks, block_size=block_size, num_cpu_blocks=num_cpu_blocks,
+                   num_disk_blocks=num_disk_blocks)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.events = events or EventLog()   # what happened, for the view and the debug log
@@ -226,7 +243,9 @@ class BlockManager:
         self.num_evictions = 0           # cached blocks dropped: their K/V lost to the cache
         self.num_offloaded_blocks = 0    # cached blocks written down a tier
         self.num_loaded_blocks = 0       # cached blocks read back up to the device
-        self.num_cow_copies = self.num_swapped_out_blocks = self.num_swapped_in_blocks = 0
+        self.num_cow_copies = 0          # shared blocks copied before a write
+        self.num_swapped_out_blocks = 0  # blocks copied to the host with their request
+        self.num_swapped_in_blocks = 0   # and back
 
     # -- the hash chain: h[i] = H(h[i-1], tokens of block i), so one dictionary look-up per tier
     #    finds a block that ends a given prefix. Hashes can collide; _cache_hits checks them.
@@ -245,7 +264,7 @@ class BlockManager:
             seq.block_hashes.append(self.compute_hash(parent_hash, self._tokens(seq, j)))
         return seq.block_hashes[i]
 
-    def _registered(self, tiers, h, tokens, parent_prefix_id):
+    def _lookup(self, tiers, h, tokens, parent_prefix_id):
         """[(tier, block)] registered as the prefix (h, tokens) after prefix parent_prefix_id: a
         hash may collide, but a parent's prefix id and a block's own tokens name one prefix."""
         found = [(t, t.blocks[b]) for t in tiers for b in t.hash_to_block_ids.get(h, ())]
@@ -261,7 +280,7 @@ class BlockManager:
         # the last token is always computed (its logits are needed): its block cannot hit
         num_hittable = (len(seq) - 1) // self.block_size if self.enable_prefix_caching else 0
         for i in range(num_hittable):
-            same = self._registered(tiers, self._block_hash(seq, i), self._tokens(seq, i),
+            same = self._lookup(tiers, self._block_hash(seq, i), self._tokens(seq, i),
                                     prefix_id)
             if not same:
                 break   # a chain: after the first miss no later block can be this prefix's
@@ -271,14 +290,14 @@ class BlockManager:
         return hits
 
     def _worth_loading(self, tier):   # the cost rule (section 8); the device always is
-        return tier is self.device or self.cost is None or self.cost.worth_loading(tier.name)
+        return tier is self.device or self.cost is None or self.cost.worth_loading(tier)
 
     # -- taking and returning single blocks, in any tier
     @property
     def num_free_blocks(self):
         return self.device.num_free_blocks
 
-    def _free_block(self, pool):
+    def _get_new_block(self, pool):
         """A free block of pool; with none, the cached block freed longest ago is evicted: written
         down to the next tier with room (and worth loading from), cached there; else dropped."""
         if not pool.free_block_ids:
@@ -286,22 +305,22 @@ class BlockManager:
             lower = self.tiers[self.tiers.index(pool) + 1:]
             below = next((t for t in lower if t.num_free_blocks and self._worth_loading(t)), None)
             if below is not None:
-                dst = self._free_block(below)
-                self.copies.append((pool.name, block.block_id, below.name, dst.block_id))
+                dst = self._get_new_block(below)
+                self.copies.append((pool, block.block_id, below, dst.block_id))
                 self._register(below, dst, block.entry)   # after its copy is queued (section 9)
                 self._cache(below, dst)
                 self.num_offloaded_blocks += 1
-                self.events.record("write down", [], [block.block_id], [dst.block_id],
-                                   below.name, pool.name)
+                self.events.record("write down", [], [block.block_id], pool, [dst.block_id],
+                                   below)
             else:   # its K/V are lost to the prefix cache
                 self.num_evictions += 1
-                self.events.record("evict", [], [block.block_id], tier=pool.name)
+                self.events.record("evict", [], [block.block_id], pool)
             self._unregister(pool, block)
             pool.free_block_ids.append(block.block_id)
         return pool.blocks[pool.free_block_ids.popleft()]
 
-    def _take_block(self, pool, seq):
-        block = self._free_block(pool)
+    def _allocate_block(self, pool, seq):
+        block = self._get_new_block(pool)
         block.ref_count = 1
         self.events.record_ref(pool, "allocate", seq, block)
         return block.block_id
@@ -329,8 +348,8 @@ class BlockManager:
     def _load(self, pool, block, seq):
         """Move a lower tier's block that seq holds up into a new device block (returned): its K/V
         are copied up, its place in the prefix cache goes with them."""
-        block_id = self._take_block(self.device, seq)
-        self.copies.append((pool.name, block.block_id, "device", block_id))
+        block_id = self._allocate_block(self.device, seq)
+        self.copies.append((pool, block.block_id, self.device, block_id))
         self._register(self.device, self.device.blocks[block_id], block.entry)
         self._unregister(pool, block)
         self._release(pool, block, seq)   # free: it no longer holds a prefix
@@ -344,7 +363,7 @@ class BlockManager:
 
     def _take_blocks_for_all_tokens(self, seq):
         for _ in range(self._num_blocks_for(len(seq)) - len(seq.block_table)):
-            seq.block_table.append(self._take_block(self.device, seq))
+            seq.block_table.append(self._allocate_block(self.device, seq))
 
     def num_shared(self, leader, seq):
         """Blocks seq can share with leader, its sibling: the leading blocks that hold the same
@@ -370,14 +389,16 @@ class BlockManager:
         seq.block_table = [b.block_id if pool is self.device else self._load(pool, b, seq)
                            for pool, b in hits]
         self._take_blocks_for_all_tokens(seq)
-        seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
+        seq.num_cached_tokens = len(hits) * self.block_size
+        seq.num_computed_tokens = seq.num_cached_tokens
         for tier in self.tiers[1:]:
             loads = [(b.block_id, d) for (t, b), d in zip(hits, seq.block_table) if t is tier]
             if loads:
-                self.events.record("load", [seq.seq_id], *zip(*loads), tier=tier.name)
+                below, device = zip(*loads)
+                self.events.record("load", [seq.seq_id], below, tier, device, self.device)
         if hits:
             self.events.record("prefix hit", [seq.seq_id], seq.block_table[:len(hits)],
-                               note=seq.num_cached_tokens)
+                               num_tokens=seq.num_cached_tokens)
         if self.enable_prefix_caching:
             self.prefix_cache_queries += len(seq)
             self.prefix_cache_hits += seq.num_cached_tokens
@@ -399,15 +420,15 @@ class BlockManager:
         """Make sure the slot of seq's last token exists and may be written. Returns (src, dst)
         when a shared block had to be copied first (copy-on-write), else None."""
         if self._needs_new_block(seq):
-            seq.block_table.append(self._take_block(self.device, seq))
+            seq.block_table.append(self._allocate_block(self.device, seq))
         elif self._needs_copy(seq):   # shared and partly filled: this writer gets its own copy
             src = self.device.blocks[seq.block_table[-1]]
-            dst = self._take_block(self.device, seq)
-            self.copies.append(("device", src.block_id, "device", dst))
+            dst = self._allocate_block(self.device, seq)
+            self.copies.append((self.device, src.block_id, self.device, dst))
             self._release(self.device, src, seq)
             seq.block_table[-1] = dst
             self.num_cow_copies += 1
-            self.events.record("copy", [seq.seq_id], [src.block_id], [dst])
+            self.events.record("copy", [seq.seq_id], [src.block_id], to_ids=[dst])
             return src.block_id, dst
         return None
 
@@ -423,7 +444,7 @@ class BlockManager:
         # its computed tokens are the shared blocks' (due from the leader, for a recomputed one)
         child.num_computed_tokens = min(len(child), len(shared) * self.block_size)
         self.device.seqs[child.seq_id] = child
-        self.events.record("fork", [child.seq_id], shared, note=parent.seq_id)
+        self.events.record("fork", [child.seq_id], shared, parent=parent.seq_id)
 
     def free(self, seq):
         """Drop seq's hold on its blocks, in whichever pool its table points into, tail first: the
@@ -451,10 +472,10 @@ class BlockManager:
             parent = self.device.blocks[seq.block_table[i - 1]] if i else None
             key = (self._block_hash(seq, i), self._tokens(seq, i), parent.prefix_id if i else None)
             # a copy of a registered prefix, in any tier, takes the original's prefix_id
-            twins = self._registered(self.tiers, *key)
+            twins = self._lookup(self.tiers, *key)
             prefix_id = twins[0][1].prefix_id if twins else next(self.prefix_ids)
             self._register(self.device, block, (*key[:2], prefix_id, key[2]))
-            self.events.record("register", [seq.seq_id], [block.block_id], note=prefix_id)
+            self.events.record("register", [seq.seq_id], [block.block_id], prefix_id=prefix_id)
 
     def _register(self, pool, block, entry):   # entry: see Block.entry
         block.hash, block.token_ids, block.prefix_id, block.parent_prefix_id = entry
@@ -465,8 +486,7 @@ class BlockManager:
         del bucket[block.block_id]
         if not bucket:
             del pool.hash_to_block_ids[block.hash]
-        block.hash = block.prefix_id = block.parent_prefix_id = None
-        block.token_ids = ()
+        block.hash, block.token_ids, block.prefix_id, block.parent_prefix_id = None, (), None, None
 
     # -- swapping: a request's sequences move between the device and the host together, each
     #    distinct block once, so that the blocks they share stay shared
@@ -501,9 +521,10 @@ class BlockManager:
         mapping = {}   # block id in src -> block id in dst
         for block_id in (b for seq in seqs for b in reversed(seq.block_table)):
             if block_id not in mapping:   # all taken before any is let go: none taken twice
-                mapping[block_id] = self._free_block(dst).block_id
-                self.copies.append((src.name, block_id, dst.name, mapping[block_id]))
-        self.events.record(kind, [s.seq_id for s in seqs], *zip(*mapping.items()))
+                mapping[block_id] = self._get_new_block(dst).block_id
+                self.copies.append((src, block_id, dst, mapping[block_id]))
+        seq_ids = [s.seq_id for s in seqs]
+        self.events.record(kind, seq_ids, mapping.keys(), src, mapping.values(), dst)
         for seq in seqs:
             for i in reversed(range(len(seq.block_table))):
                 self._hold(dst, dst.blocks[mapping[seq.block_table[i]]], seq)
@@ -637,7 +658,7 @@ class Scheduler:
                 break
             if not bm.can_allocate(leader, self._watermark(), others):
                 if bm.can_allocate(leader, 0, others):   # it fits, but would leave too few free
-                    self.events.record("watermark", [leader.seq_id], note=self._watermark())
+                    self.events.record("watermark", [leader.seq_id], num_blocks=self._watermark())
                 break
             self.waiting.popleft()
             self._admit(request, batch)
@@ -670,7 +691,7 @@ class Scheduler:
         where it was, or freed (the prefix cache may keep much), to be recomputed, in front."""
         mode = mode or self._choose_mode(request)
         held = sorted({b for s in request.seqs for b in s.block_table})
-        self.events.record("preempt", [s.seq_id for s in request.seqs], held, note=mode)
+        self.events.record("preempt", [s.seq_id for s in request.seqs], held, mode=mode)
         self.running.remove(request)
         batch.remove(request)
         if mode == "swap":
@@ -686,7 +707,8 @@ class Scheduler:
         for seq in request.seqs:
             self.block_manager.free(seq)
             seq.num_computed_tokens = 0
-            seq.logprobs = seq.waits_for = None   # a beam computes its log-probs again
+            seq.waits_for = None
+            seq.logprobs = None   # a beam computes its log-probs again
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
@@ -703,7 +725,7 @@ class Scheduler:
             tokens = sampled[seq]
             request.first_token_time = request.first_token_time or now
             # n tokens: an n>1 request's first, from one prompt's logits: its samples fork here
-            samples = [seq] + [self.fork(request, seq, index=i) for i in range(1, len(tokens))]
+            samples = [seq] + [self.fork_seq(request, seq, index=i) for i in range(1, len(tokens))]
             for s, token in zip(samples, tokens):
                 s.append_token(token)
                 if token in self.eos_token_ids and not request.params.ignore_eos:
@@ -711,15 +733,16 @@ class Scheduler:
                 elif s.num_output_tokens >= request.params.max_tokens:
                     self.finish(request, s, "length")
 
-    def fork(self, request, parent, index=0):
-        child = parent.fork(index)
+    # a new sequence of request, sharing parent's blocks
+    def fork_seq(self, request, parent, index=0):
+        child = parent.child(index)
         self.block_manager.fork(parent, child)
         request.seqs.append(child)
         return child
 
     def finish(self, request, seq, reason):
         seq.finish_reason, seq.finish_time = reason, time.perf_counter()
-        self.events.record("finish", [seq.seq_id], seq.block_table, note=reason)
+        self.events.record("finish", [seq.seq_id], seq.block_table, reason=reason)
         self.block_manager.free(seq)
         request.seqs.remove(seq)
         request.finished.append(seq)
@@ -738,6 +761,24 @@ CompletionOutput = namedtuple("CompletionOutput", "index token_ids text finish_r
 # what one step did, for whoever watches (LLM.on_step): its number, the ScheduledBatch it ran, the
 # events it caused, the metrics after it (stats()), and how long it took in seconds
 StepReport = namedtuple("StepReport", "step batch events stats seconds")
+
+def sample(logits, request, i):
+    """One token for sample i of request. logits: (vocab,) float32 on the CPU."""
+    params = request.params
+    if params.temperature == 0:
+        return int(logits.argmax())
+    logits = logits / params.temperature
+    if params.top_k:
+        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1:
+        sorted_logits, order = logits.sort(descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= params.top_p   # the tokens after top_p is reached
+        drop = torch.zeros_like(drop).scatter(0, order, drop)   # back in vocabulary order
+        logits = logits.masked_fill(drop, float("-inf"))
+    return int(torch.multinomial(logits.softmax(-1), 1, generator=request.generators[i]))
+
 
 class LLM:
     """The engine: owns the model, the KV cache pools, the block manager and the scheduler.
@@ -762,10 +803,11 @@ class LLM:
         # the pool by default: on CUDA 80% of what the weights leave free (vLLM's
         # gpu_memory_utilization), on a CPU 1 GiB
         if num_blocks is None:
-            budget = 0.8 * torch.cuda.mem_get_info(self.device)[0] if cuda else 1 << 30
+            budget = 0.8 * torch.cuda.mem_get_info(self.device)[0] if cuda else 2**30
             num_blocks = max(1, int(budget // bytes_per_block))
-        swap_bytes = (swap_space or 0) * (1 << 30)   # swap_space: GiB of host memory
+        swap_bytes = (swap_space or 0) * 2**30   # swap_space: GiB of host memory
         num_cpu_blocks = num_cpu_blocks or int(swap_bytes // bytes_per_block)
+        # the pools against this machine's memory, max_model_len against the model's (section 5)
         check_loaded_model(self, max_model_len, preemption_mode, num_blocks, num_cpu_blocks,
                            swap_space, bytes_per_block)
         # (2, num_layers, num_blocks, block_size, kv_heads, head_dim): K and V of every block
@@ -777,11 +819,12 @@ class LLM:
                                   for n in (num_cpu_blocks, num_disk_blocks))
         self.kv_caches = {"device": self.kv_cache,
                           "host": torch.zeros(host_shape, dtype=self.dtype, pin_memory=cuda),
-                          "disk": open_disk_pool(self, disk_path, disk_shape)}
-        # callables that get every step's StepReport: the view, the debug log, the cost rule
-        self.on_step = []
-        cost = CostModel.measure(self, block_size)   # each tier's copy, timed now (section 8)
-        self.events = EventLog(debug=debug_blocks)
+                          "disk": open_disk_pool(self, disk_path, disk_shape)}   # (section 8)
+        # the cost rule (section 8): each tier's block copy timed now, each step's tokens after it
+        cost = CostModel.measure(self, block_size)
+        # callables that get every step's StepReport: the cost rule, the view, the debug log
+        self.on_step = [cost.observe]
+        self.events = EventLog(debug=debug_blocks)   # what happened, as records (section 7)
         self.block_manager = BlockManager(num_blocks, block_size, num_cpu_blocks,
                                           enable_prefix_caching, self.events, num_disk_blocks,
                                           cost)
@@ -792,21 +835,16 @@ class LLM:
         self.seed = seed
         self.request_ids = itertools.count()
         self.requests = {}   # request_id -> Request, until its output is returned
-        self.num_steps = self.num_prefill_tokens_computed = self.num_generated_tokens = 0
+        self.num_steps = 0
+        self.num_prefill_tokens_computed = 0
+        self.num_generated_tokens = 0
 
     # -- requests in
-    def max_blocks_needed(self, num_prompt_tokens, params):
-        """The most blocks a request holds at once: its prompt's full blocks, shared by all n (even
-        after a preemption), and each one's own at full length. Alone in a pool this big it ends."""
-        block_size = self.block_manager.block_size
-        written = num_prompt_tokens + params.max_tokens - 1   # the last token ends it, unwritten
-        shared = num_prompt_tokens // block_size
-        return shared + params.n * (math.ceil(written / block_size) - shared)
-
     def add_requests(self, prompts, params=None, kind=SamplingParams):
         """Validate all, then queue all: a bad prompt leaves the engine as it was. Returns ids."""
         request_ids = []
-        checked = checked_requests(self, prompts, params, kind)   # (section 5)
+        # every prompt tokenized and checked (ValueError) before any is queued (section 5)
+        checked = checked_requests(self, prompts, params, kind)
         with interrupts_held():   # Ctrl-C waits until all are queued (section 9)
             for token_ids, p in checked:
                 request_id = next(self.request_ids)
@@ -828,13 +866,14 @@ class LLM:
 
     def _run(self, prompts, params, kind, live):
         """Queue, step, return the outputs; a call that raises (Ctrl-C too) drops its requests."""
-        require_bool("live", live)
+        check_args(live=live)   # a bool, or a ValueError (section 5)
         request_ids = []
-        with recovery(lambda: abort(self, request_ids)):   # (section 9)
+        # if anything below raises, this call's requests are dropped with their blocks (section 9)
+        with recovery(lambda: abort(self, request_ids)):
             with interrupts_held():   # queued and known here, or not queued at all
                 request_ids += self.add_requests(prompts, params, kind)
             requests = [self.requests[r] for r in request_ids]
-            with View(self) if live else contextlib.nullcontext():
+            with View(self) if live else contextlib.nullcontext():   # the live view (section 11)
                 while any(r.status is not RequestStatus.FINISHED for r in requests):
                     self.step()
             return [self.output(r) for r in request_ids]
@@ -844,6 +883,7 @@ class LLM:
         request = self.requests.get(request_id) if is_int(request_id) else None
         require(request is not None and request.status is RequestStatus.FINISHED,
                 f"request {request_id} is unknown, unfinished or already returned")
+        # beam search: the best hypotheses, by vLLM's length-penalized score (section 10)
         out = beam_output(self, request) if request.is_beam_search else self._output(request)
         del self.requests[request_id]   # only once its output is made: an error there loses nothing
         return out
@@ -912,7 +952,8 @@ class LLM:
         copies = self.block_manager.copies
         while copies:
             src_tier, src, dst_tier, dst = copies[0]
-            self.kv_caches[dst_tier][:, :, dst].copy_(self.kv_caches[src_tier][:, :, src])
+            src_kv, dst_kv = self.kv_caches[src_tier.name], self.kv_caches[dst_tier.name]
+            dst_kv[:, :, dst].copy_(src_kv[:, :, src])
             copies.popleft()
 
     def _prepare(self, batch):
@@ -962,17 +1003,70 @@ def require(ok, message):   # a ValueError saying what is wrong and what is allo
     if not ok:
         raise ValueError(message)
 
+
 def is_int(x):
     return isinstance(x, int) and not isinstance(x, bool)   # True is an int to Python, not to us
+
 
 def is_number(x):   # a finite int or float
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
-def require_int(name, x, low, note=""):   # a ValueError naming the parameter and its bound
-    require(is_int(x) and x >= low, f"{name} must be an int >= {low}{note}, got {x!r}")
 
-def require_bool(name, x):
-    require(isinstance(x, bool), f"{name} must be a bool, got {x!r}")
+def int_at_least(low):   # a rule of ARG_RULES
+    return lambda x: is_int(x) and x >= low
+
+
+def is_bool(x):
+    return isinstance(x, bool)
+
+
+MIN_TEMPERATURE = 0.01   # logits / temperature overflow float32 near 1e-38; 0 means greedy
+MIN_TOP_P = 1e-6         # top_p is compared with float32 probabilities, where 1e-300 is 0
+MAX_LENGTH_PENALTY = 10  # 131072 ** 10 is about 1e51: no overflow, no division by zero
+MAX_DELAY = 60           # --delay at most, in seconds a step (and per event): --step waits longer
+FLOATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# every parameter of LLM, SamplingParams and BeamSearchParams checked on its own: (is a value
+# allowed?, what is allowed). device and disk_path, and the rules across parameters, come after
+ARG_RULES = {
+    "model": (lambda x: x is None or isinstance(x, str), "None, a directory or 'random:<preset>'"),
+    "dtype": (lambda x: x is None or x in [*FLOATS, *FLOATS.values()],
+              "None, 'float32', 'bfloat16', 'float16' (or torch's)"),
+    "block_size": (lambda x: is_int(x) and x >= 1 and not x & (x - 1),
+                   "a positive power of two (1, 2, 4, ... 16 ...)"),
+    "num_blocks": (lambda x: x is None or is_int(x) and x >= 1, "None or an int >= 1"),
+    "num_cpu_blocks": (int_at_least(0), "an int >= 0"),
+    "num_disk_blocks": (int_at_least(0), "an int >= 0"),
+    "enable_prefix_caching": (is_bool, "a bool"),
+    "max_num_seqs": (int_at_least(1), "an int >= 1"),
+    "max_num_batched_tokens": (int_at_least(1), "an int >= 1"),
+    "max_model_len": (lambda x: x is None or is_int(x) and x >= 1,
+                      "None (the model's) or an int >= 1"),
+    "preemption_mode": (lambda x: x in ("recompute", "swap", "auto"),
+                        "'recompute', 'swap' or 'auto'"),
+    "seed": (lambda x: is_int(x) and 0 <= x < 2**63, "an int in [0, 2**63)"),
+    "swap_space": (lambda x: x is None or is_number(x) and x >= 0, "None or a number of GiB >= 0"),
+    "debug_blocks": (is_bool, "a bool"),
+    "temperature": (lambda x: is_number(x) and (x == 0 or x >= MIN_TEMPERATURE),
+                    f"0 (greedy) or a number >= {MIN_TEMPERATURE}"),
+    "top_p": (lambda x: is_number(x) and MIN_TOP_P <= x <= 1,
+              f"a number in (0, 1], at least {MIN_TOP_P}"),
+    "top_k": (int_at_least(0), "an int >= 0 (0 keeps every token)"),
+    "max_tokens": (int_at_least(1), "an int >= 1"),
+    "n": (int_at_least(1), "an int >= 1"),
+    "ignore_eos": (is_bool, "a bool"),
+    "beam_width": (int_at_least(1), "an int >= 1"),
+    "length_penalty": (lambda x: is_number(x) and abs(x) <= MAX_LENGTH_PENALTY,   # a finite power
+                       f"a number in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}]"),
+    "live": (is_bool, "a bool"),
+}
+
+
+def check_args(**args):   # each by its rule in ARG_RULES
+    for name, x in args.items():
+        allowed, what = ARG_RULES[name]
+        require(allowed(x), f"{name} must be {what}, got {x!r}")
+
 
 def writable(path):   # can a file be written at path? Tried: os.access says yes to root
     folder = os.path.dirname(os.path.abspath(path or "."))
@@ -988,76 +1082,31 @@ def writable(path):   # can a file be written at path? Tried: os.access says yes
         os.remove(path)
     return True
 
-def check_seed(seed):
-    require(is_int(seed) and 0 <= seed < 2**63, f"seed must be an int in [0, 2**63), got {seed!r}")
-MIN_TEMPERATURE = 0.01   # logits / temperature overflow float32 near 1e-38; 0 means greedy
-MIN_TOP_P = 1e-6         # top_p is compared with float32 probabilities, where 1e-300 is 0
-MAX_LENGTH_PENALTY = 10  # 131072 ** 10 is about 1e51: no overflow, no division by zero
-MAX_DELAY = 60           # --delay at most, in seconds a step (and per event): --step waits longer
 
-def check_sampling_params(p):
-    t = p.temperature
-    require(is_number(t) and (t == 0 or t >= MIN_TEMPERATURE),
-            f"temperature must be 0 (greedy) or a number >= {MIN_TEMPERATURE}, got {t!r}")
-    require(is_number(p.top_p) and MIN_TOP_P <= p.top_p <= 1,
-            f"top_p must be a number in (0, 1], at least {MIN_TOP_P}, got {p.top_p!r}")
-    require_int("top_k", p.top_k, 0, " (0 keeps every token)")
-    require_int("max_tokens", p.max_tokens, 1)
-    require_int("n", p.n, 1)
-    require_bool("ignore_eos", p.ignore_eos)
-    if p.seed is not None:
-        check_seed(p.seed)
-
-def check_pool_args(num_blocks, block_size, num_cpu_blocks, num_disk_blocks=0):
-    require(is_int(block_size) and block_size >= 1 and not block_size & (block_size - 1),
-            f"block_size must be a positive power of two (1, 2, 4, ... 16 ...), got {block_size!r}")
-    require_int("num_blocks", num_blocks, 1)
-    require_int("num_cpu_blocks", num_cpu_blocks, 0)
-    require_int("num_disk_blocks", num_disk_blocks, 0)
-
-def check_engine_args(model, device, dtype, block_size, num_blocks, num_cpu_blocks, num_disk_blocks,
-                      disk_path, enable_prefix_caching, max_num_seqs, max_num_batched_tokens,
-                      max_model_len, preemption_mode, seed, swap_space, debug_blocks):
-    check_pool_args(1 if num_blocks is None else num_blocks, block_size, num_cpu_blocks,
-                    num_disk_blocks)
-    given = os.fspath(disk_path) if isinstance(disk_path, (str, os.PathLike)) else None
-    a_name = isinstance(given, str) and "\0" not in given and not given.endswith(os.sep)
-    path = os.path.abspath(given) if a_name else "/"
-    folder = os.path.dirname(path)   # lexists: a dangling link is not a new file
-    new_file = os.path.isdir(folder) and os.access(folder, os.W_OK) and not os.path.lexists(path)
-    require(disk_path is None or new_file, "disk_path must be None (a temporary file) or a new "
-            f"file in a folder you may write (removed with the engine), got {disk_path!r}")
-    require(disk_path is None or num_disk_blocks > 0,
-            f"disk_path {disk_path!r} holds the disk tier: give num_disk_blocks > 0 with it")
-    require(model is None or isinstance(model, str),
-            f"model must be None, a directory or 'random:<preset>', got {model!r}")
+def check_engine_args(device, disk_path, **args):
+    check_args(**args)
     name = str(device)   # a string or a torch.device
     kind, _, index = name.partition(":")
     require(device is None or name in ("cpu", "cuda") or (kind == "cuda" and index.isdigit()),
             f"device must be None, 'cpu' or 'cuda[:index]', got {device!r}")
     require(kind != "cuda" or int(index or 0) < torch.cuda.device_count(),   # 0 without CUDA
             f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA devices")
-    floats = (torch.float32, torch.bfloat16, torch.float16)
-    require(dtype is None or dtype in [str(f).removeprefix("torch.") for f in floats] + [*floats],
-            f"dtype must be None, 'float32', 'bfloat16', 'float16' (or torch's), got {dtype!r}")
-    require_bool("enable_prefix_caching", enable_prefix_caching)
-    require_int("max_num_seqs", max_num_seqs, 1)
-    require_int("max_num_batched_tokens", max_num_batched_tokens, 1)
-    require(max_model_len is None or (is_int(max_model_len) and max_model_len >= 1),
-            f"max_model_len must be None (the model's) or an int >= 1, got {max_model_len!r}")
-    require(preemption_mode in ("recompute", "swap", "auto"),
-            f"preemption_mode must be 'recompute', 'swap' or 'auto', got {preemption_mode!r}")
-    require(swap_space is None or (is_number(swap_space) and swap_space >= 0),
-            f"swap_space must be None or a number of GiB >= 0, got {swap_space!r}")
-    require_memory((swap_space or 0) * (1 << 30), f"swap_space {swap_space} GiB exceeds")
-    require(not (num_cpu_blocks and swap_space),
+    given = os.fspath(disk_path) if isinstance(disk_path, (str, os.PathLike)) else ""
+    a_name = "\0" not in given and not given.endswith(os.sep)   # lexists: a dead link is no file
+    new_file = a_name and not os.path.lexists(given) and writable(given)
+    require(disk_path is None or new_file, "disk_path must be None (a temporary file) or a new "
+            f"file in a folder you may write (removed with the engine), got {disk_path!r}")
+    require(disk_path is None or args["num_disk_blocks"] > 0,
+            f"disk_path {disk_path!r} holds the disk tier: give num_disk_blocks > 0 with it")
+    swap_space = args["swap_space"]
+    require_memory((swap_space or 0) * 2**30, f"swap_space {swap_space} GiB exceeds")
+    require(not (args["num_cpu_blocks"] and swap_space),
             "num_cpu_blocks and swap_space both size the host pool: give one of them")
-    require(enable_prefix_caching or not num_disk_blocks, "num_disk_blocks: the disk tier holds "
-            "cached blocks only, and enable_prefix_caching is False")
-    require(preemption_mode != "swap" or num_cpu_blocks or swap_space,
+    require(args["enable_prefix_caching"] or not args["num_disk_blocks"], "num_disk_blocks: the "
+            "disk tier holds cached blocks only, and enable_prefix_caching is False")
+    require(args["preemption_mode"] != "swap" or args["num_cpu_blocks"] or swap_space,
             "preemption_mode='swap' needs a host pool: num_cpu_blocks > 0 or swap_space (GiB)")
-    check_seed(seed)
-    require_bool("debug_blocks", debug_blocks)
+
 
 def require_memory(num_bytes, what):   # refused as "<what> this machine's memory (N GiB)"
     try:
@@ -1113,6 +1162,15 @@ def checked_requests(llm, prompts, params, kind):   # [(token_ids, params)], all
         validate_request(llm, token_ids, p)
     return requests
 
+def max_blocks_needed(llm, num_prompt_tokens, params):
+    """The most blocks a request holds at once: its prompt's full blocks, shared by all n (even
+    after a preemption), and each one's own at full length. Alone in a pool this big it ends."""
+    block_size = llm.block_manager.block_size
+    written = num_prompt_tokens + params.max_tokens - 1   # the last token ends it, unwritten
+    shared = num_prompt_tokens // block_size
+    return shared + params.n * (math.ceil(written / block_size) - shared)
+
+
 def validate_request(llm, token_ids, params):
     vocab = llm.model.config.vocab_size
     max_num_seqs = llm.scheduler.max_num_seqs
@@ -1125,7 +1183,7 @@ def validate_request(llm, token_ids, params):
     require(params.n <= max_num_seqs, f"n (or beam_width) {params.n} > max_num_seqs {max_num_seqs}")
     require(not isinstance(params, BeamSearchParams) or 2 * params.beam_width <= vocab,
             f"beam_width {params.n}: 2 * beam_width candidates exceed the vocabulary ({vocab})")
-    need = llm.max_blocks_needed(len(token_ids), params)
+    need = max_blocks_needed(llm, len(token_ids), params)
     require(need <= llm.block_manager.num_blocks,
             f"the pool is too small for this request: it may need {need} blocks, the pool has "
             f"{llm.block_manager.num_blocks}; raise num_blocks, or lower max_tokens or n")
@@ -1141,36 +1199,42 @@ def check_block_manager(bm):   # BlockManager.check_invariants: each rule, asser
         assert not wrong, f"ref_count: {pool.name} blocks {wrong}: not the number of tables holding"
         states = Counter([*pool.free_block_ids, *pool.cached_block_ids, *held])   # held, or used
         wrong = [b.block_id for b in pool.blocks if states[b.block_id] != 1]
-        assert not wrong, \
-            f"partition: {pool.name} blocks {wrong} are not in exactly one of free, cached, used"
-        for b in pool.blocks:   # of the blocks nobody holds, the cached ones, and only they, hash
-            assert b.ref_count or (b.hash is not None) == (b.block_id in pool.cached_block_ids), \
-                f"cached: {pool.name} block {b.block_id} is cached without a hash, or free with one"
-            assert pool is bm.device or b.hash is None or not b.ref_count, \
-                f"hash map: {pool.name} block {b.block_id} is held (swapped) and registered"
+        assert not wrong, f"partition: {pool.name} blocks {wrong}: not in one of free, cached, used"
+        # of the blocks nobody holds, the cached ones, and only they, are registered (have a hash)
+        unheld = [b for b in pool.blocks if not b.ref_count]
+        wrong = [b.block_id for b in unheld
+                 if (b.hash is not None) != (b.block_id in pool.cached_block_ids)]
+        assert not wrong, f"cached: {pool.name} blocks {wrong}: cached without a hash, or free with"
         registered = [b for b in pool.blocks if b.hash is not None]
+        wrong = [b.block_id for b in registered if b.ref_count and pool is not bm.device]
+        assert not wrong, f"hash map: {pool.name} blocks {wrong}: held (swapped) and registered"
         listed = {(h, b) for h, bucket in pool.hash_to_block_ids.items() for b in bucket}
         carried = {(b.hash, b.block_id) for b in registered}   # the map lists these, no others
-        assert listed == carried and all(pool.hash_to_block_ids.values()), \
-            f"hash map: {pool.name} lists (hash, block) {listed - carried}, not {carried - listed}"
+        wrong = listed ^ carried
+        assert not wrong, f"hash map: {pool.name} (hash, block) {wrong}: listed or registered only"
+        assert all(pool.hash_to_block_ids.values()), f"hash map: {pool.name}: an empty bucket"
         for b in registered:   # copies of one prefix, in any tier, are one prefix
             prefix = prefixes.setdefault(b.prefix_id, (b.hash, b.token_ids, b.parent_prefix_id))
-            assert prefix == (b.hash, b.token_ids, b.parent_prefix_id), \
-                f"hash map: prefix {b.prefix_id} names two prefixes ({pool.name} {b.block_id})"
+            wrong = prefix != (b.hash, b.token_ids, b.parent_prefix_id)
+            assert not wrong, f"hash map: prefix {b.prefix_id}: two prefixes ({pool.name} {b})"
     seq_ids = [s for pool in bm.tiers for s in pool.seqs]
     assert len(seq_ids) == len(set(seq_ids)), "partition: a seq's table points into two tiers"
     for seq in bm.device.seqs.values():   # a registered block holds the prefix of all its holders
         for i, block_id in enumerate(seq.block_table):
             block = bm.device.blocks[block_id]
             parent = bm.device.blocks[seq.block_table[i - 1]] if i else None
-            assert block.hash is None or parent is None or parent.hash is not None, \
-                f"hash map: seq {seq.seq_id} block {i} ({block_id}) follows an unregistered block"
-            assert block.hash is None or (block.token_ids, block.hash, block.parent_prefix_id) == (
-                bm._tokens(seq, i), bm._block_hash(seq, i), parent.prefix_id if parent else None), \
-                f"hash map: seq {seq.seq_id} block {i} ({block_id}) is another prefix's"
+            if block.hash is None:
+                continue
+            entry = (block.token_ids, block.hash, block.parent_prefix_id)
+            want = (bm._tokens(seq, i), bm._block_hash(seq, i), parent and parent.prefix_id)
+            wrong = entry != want or (parent is not None and parent.hash is None)
+            assert not wrong, (f"hash map: seq {seq.seq_id} block {i} ({block_id}) is another "
+                               "prefix's, or follows an unregistered block")
     for seq in [s for pool in bm.tiers for s in pool.seqs.values()]:   # the newest may lack a slot
-        assert len(seq.block_table) in {bm._num_blocks_for(len(seq) - d) for d in (0, 1)}, \
-            f"block table: seq {seq.seq_id}: {len(seq.block_table)} blocks, {len(seq)} tokens"
+        n = len(seq.block_table)
+        sizes = {bm._num_blocks_for(len(seq) - d) for d in (0, 1)}
+        assert n in sizes, f"block table: seq {seq.seq_id}: {n} blocks, {len(seq)} tokens"
+
 
 # ----------------------------------------------------------------------------------------------
 # 7. What happened: events as records, for the live view and the debug log; the metrics
@@ -1179,41 +1243,45 @@ def _ids(xs):   # '0-3, 7, 12' for the event log: a run of three or more ids as 
     groups = itertools.groupby(enumerate(xs), lambda p: p[1] - p[0])   # x - i: one per run
     runs = [[x for _, x in group] for _, group in groups]
     return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
+
 EVENT_WORDS = {   # the plain words of each kind of event, for the debug log and the live view
-    "prefix hit": "seq {seqs} finds blocks {blocks} in the prefix cache ({note} tokens)",
-    "fork": "seq {seqs} forks from seq {note}: blocks {blocks} shared",
+    "prefix hit": "seq {seqs} finds blocks {blocks} in the prefix cache ({num_tokens} tokens)",
+    "fork": "seq {seqs} forks from seq {parent}: blocks {blocks} shared",
     "copy": "seq {seqs} copies shared block {blocks} to block {to} before writing (copy-on-write)",
     "evict": "{tier} block {blocks} is evicted from the prefix cache (cached, held by nobody)",
-    "write down": "block {blocks} written down to {note} block {to} (evicted from the {tier})",
+    "write down": "block {blocks} written down to {to_tier} block {to} (evicted from the {tier})",
     "load": "seq {seqs} finds blocks {blocks} in the {tier} tier: loaded into blocks {to}",
     "swap out": "seq {seqs} swapped out: blocks {blocks} to host blocks {to}",
     "swap in": "seq {seqs} swapped in: host blocks {blocks} to blocks {to}",
-    "preempt": "seq {seqs} preempted by {note}: blocks {blocks} taken back",
-    "finish": "seq {seqs} finishes ({note}): blocks {blocks} released",
-    "watermark": "seq {seqs} waits: it fits, but the watermark keeps {note} free for decodes",
+    "preempt": "seq {seqs} preempted by {mode}: blocks {blocks} taken back",
+    "finish": "seq {seqs} finishes ({reason}): blocks {blocks} released",
+    "watermark": "seq {seqs} waits: it fits, but the watermark keeps {num_blocks} free for decodes",
     # the debug log's kinds (debug_blocks=True): every single ref-count change, in any tier
-    "allocate": "seq {seqs} takes free block {blocks} ({note})",
-    "ref+1": "seq {seqs} holds block {blocks} ({note})",
-    "ref-1": "seq {seqs} lets go of block {blocks} ({note})",
-    "cache": "seq {seqs} leaves block {blocks} in the prefix cache ({note})",
-    "free": "seq {seqs} leaves block {blocks} free ({note})",
-    "register": "seq {seqs} registers block {blocks} in the prefix cache (prefix {note})",
+    "allocate": "seq {seqs} takes free block {blocks} ({tier} tier, ref {ref_count})",
+    "ref+1": "seq {seqs} holds block {blocks} ({tier} tier, ref {ref_count})",
+    "ref-1": "seq {seqs} lets go of block {blocks} ({tier} tier, ref {ref_count})",
+    "cache": "seq {seqs} leaves block {blocks} in the prefix cache ({tier} tier, ref {ref_count})",
+    "free": "seq {seqs} leaves block {blocks} free ({tier} tier, ref {ref_count})",
+    "register": "seq {seqs} registers block {blocks} in the prefix cache (prefix {prefix_id})",
 }
 DEBUG_KINDS = frozenset(["allocate", "ref+1", "ref-1", "cache", "free", "register"])
 
 @dataclass(frozen=True)
 class Event:
     step: int
-    kind: str                # a key of EVENT_WORDS
+    kind: str                   # a key of EVENT_WORDS
     seq_ids: tuple = ()
-    block_ids: tuple = ()    # the blocks it acts on, in tier (host blocks for a swap in)
-    to_ids: tuple = ()       # where they went: the copy's block, the other tier's blocks
-    note: str = ""           # a token count, a parent, a mode, a reason, a ref count, a tier
-    tier: str = "device"     # the tier of block_ids, for evictions, write-downs and loads
+    block_ids: tuple = ()       # the blocks it acts on
+    tier: Pool | None = None    # their tier, where the words name it (None: they do not)
+    to_ids: tuple = ()          # where they went: the copy's block, the other tier's blocks
+    to_tier: Pool | None = None
+    details: dict = field(default_factory=dict)   # the rest its words say, by name (EVENT_WORDS)
 
     def words(self):
+        tiers = dict(tier=getattr(self.tier, "name", None),
+                     to_tier=getattr(self.to_tier, "name", None))
         return EVENT_WORDS[self.kind].format(seqs=_ids(self.seq_ids), blocks=_ids(self.block_ids),
-                                             to=_ids(self.to_ids), note=self.note, tier=self.tier)
+                                             to=_ids(self.to_ids), **tiers, **self.details)
 
 @dataclass
 class EventLog:   # what the block manager and the scheduler did, taken after each step
@@ -1221,15 +1289,15 @@ class EventLog:   # what the block manager and the scheduler did, taken after ea
     step: int = 0         # the step the engine is in, stamped on each record
     records: list = field(default_factory=list)   # of Event
 
-    def record(self, kind, seq_ids=(), block_ids=(), to_ids=(), note="", tier="device"):
+    def record(self, kind, seq_ids=(), block_ids=(), tier=None, to_ids=(), to_tier=None,
+               **details):
         if self.debug or kind not in DEBUG_KINDS:
-            self.records.append(Event(self.step, kind, tuple(seq_ids), tuple(block_ids),
-                                      tuple(to_ids), str(note), tier))
+            self.records.append(Event(self.step, kind, tuple(seq_ids), tuple(block_ids), tier,
+                                      tuple(to_ids), to_tier, details))
 
     def record_ref(self, pool, kind, seq, block):   # a debug kind: a ref-count change
-        if self.debug:   # (no string is made per ref-count change otherwise)
-            note = f"{pool.name} tier, ref {block.ref_count}"
-            self.record(kind, [seq.seq_id], [block.block_id], note=note)
+        if self.debug:   # (no record is made per ref-count change otherwise)
+            self.record(kind, [seq.seq_id], [block.block_id], pool, ref_count=block.ref_count)
 
     def take(self):
         records, self.records = self.records, []
@@ -1267,7 +1335,7 @@ def print_debug_log(report):   # the debug log (debug_blocks=True): an on_step c
         print(f"step {e.step:5}  {e.kind:10}  {e.words()}", file=sys.stderr)
 
 # ----------------------------------------------------------------------------------------------
-# 8. The cost rule: copy blocks, or recompute their tokens, whichever costs less here
+# 8. The cost rule: copy blocks, or recompute their tokens, whichever costs less here; the disk file
 # Two choices trade a copy against a recompute: preemption_mode='auto' (swap a request to the host
 # and back, or recompute it) and the tiers (load a cached block from host or disk, or recompute
 # it; a tier not worth loading from is not written down to either). Both take one measured rule.
@@ -1298,9 +1366,7 @@ class CostModel:
                     torch.cuda.synchronize(device.device)
                 rounds.append(time.perf_counter() - t0)
             seconds[tier] = min(rounds) / (2 * len(probe)) if probe else math.inf
-        cost = cls(block_size, seconds)
-        llm.on_step.append(cost.observe)
-        return cost
+        return cls(block_size, seconds)
 
     def observe(self, report):   # a moving average, set by the first step
         weight = 0.1 if self.seconds_per_token else 1.0
@@ -1308,14 +1374,14 @@ class CostModel:
         self.seconds_per_token += weight * (per_token - self.seconds_per_token)
 
     def worth_loading(self, tier):   # a block's copy up against recomputing its tokens
-        return self.seconds_per_block[tier] < self.block_size * self.seconds_per_token
+        return self.seconds_per_block[tier.name] < self.block_size * self.seconds_per_token
 
     def cheaper_mode(self, bm, request):
         leader = request.seqs[0]   # a recompute computes it whole, the others past what they share
         num_tokens = len(leader) + sum(len(s) - bm.block_size * bm.num_shared(leader, s)
                                        for s in request.seqs[1:])
         num_blocks = len({b for s in request.seqs for b in s.block_table})
-        swap_seconds = 2 * num_blocks * self.seconds_per_block["host"]   # out, then back in
+        swap_seconds = 2 * num_blocks * self.seconds_per_block[bm.host.name]   # out, then back in
         return "swap" if swap_seconds < num_tokens * self.seconds_per_token else "recompute"
 
 def open_disk_pool(llm, path, shape):
@@ -1423,7 +1489,7 @@ def rebuild_pool(bm, pool, unmade, holders):
     pool.free_block_ids, pool.cached_block_ids, pool.seqs = deque(), OrderedDict(), {}
     pool.hash_to_block_ids = {}
     for block in sorted(pool.blocks, key=lambda b: b.cached_at):
-        whole = (pool.name, block.block_id) not in unmade   # its K/V are in place
+        whole = (pool, block.block_id) not in unmade   # its K/V are in place
         if whole and block.block_id in registered.get(block.hash, ()):
             block.ref_count = 0
             bm._register(pool, block, block.entry)
@@ -1495,43 +1561,7 @@ def abort(llm, request_ids):   # drop a failed call's requests wherever they are
         request.status = RequestStatus.FINISHED
 
 # ----------------------------------------------------------------------------------------------
-# 10. Sampling, and beam search: the beams of a request are forks of one another, on shared blocks
-
-def sample(logits, request, i):
-    """One token for sample i of request. logits: (vocab,) float32 on the CPU."""
-    params = request.params
-    if params.temperature == 0:
-        return int(logits.argmax())
-    logits = logits / params.temperature
-    if params.top_k:
-        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1:
-        sorted_logits, order = logits.sort(descending=True)
-        probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs >= params.top_p   # the tokens after top_p is reached
-        drop = torch.zeros_like(drop).scatter(0, order, drop)   # back in vocabulary order
-        logits = logits.masked_fill(drop, float("-inf"))
-    return int(torch.multinomial(logits.softmax(-1), 1, generator=request.generators[i]))
-
-@dataclass(frozen=True)
-class BeamSearchParams:
-    beam_width: int
-    max_tokens: int = 16
-    length_penalty: float = 1.0   # score = cum_logprob / length ** length_penalty (beam_output)
-    ignore_eos: bool = False
-
-    def __post_init__(self):   # the API guards of section 5
-        require_int("beam_width", self.beam_width, 1)
-        require_int("max_tokens", self.max_tokens, 1)
-        lp, bound = self.length_penalty, MAX_LENGTH_PENALTY   # length ** lp must stay a float
-        require(is_number(lp) and abs(lp) <= bound,
-                f"length_penalty must be a number in [-{bound}, {bound}], got {lp!r}")
-        require_bool("ignore_eos", self.ignore_eos)
-
-    @property
-    def n(self):   # the most sequences the request holds at once: what the pool is sized by
-        return self.beam_width
+# 10. Beam search: the beams of a request are forks of one another, on shared blocks
 
 # Each round every live beam offers its 2 * beam_width likeliest next tokens (vLLM's rule); an eos
 # candidate completes a hypothesis, the beam_width best others live on: a beam chosen twice forks
@@ -1562,7 +1592,7 @@ def beam_round(scheduler, request):   # one round, as above; returns how many to
         if not picks:
             scheduler.finish(request, beam, "pruned")
             continue
-        family = [beam] + [scheduler.fork(request, beam) for _ in picks[1:]]
+        family = [beam] + [scheduler.fork_seq(request, beam) for _ in picks[1:]]
         for child, pick in zip(family, picks):   # ... then append
             child.append_token(pick.token)
             child.cum_logprob = pick.cum_logprob
@@ -1593,6 +1623,7 @@ def printable(text):   # never raw: a newline as a space, other control characte
 def wrapped(text, width, style=None, indent=2):   # rows of at most width columns, nothing cut
     rows = textwrap.wrap(text, width, subsequent_indent=" " * indent, break_on_hyphens=False)
     return [Text(row, style) for row in rows]
+
 MIN_VIEW_WIDTH = 64   # a sequence row: its ids, state, K/V, block table, some text
 HOLDER_COLOURS = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "orange3"]
 
@@ -1607,7 +1638,8 @@ def table_text(pool, block_table, width):
     for keep in range(len(parts), -1, -1):   # the first and last parts, as many as fit
         head, tail = parts[:(keep + 1) // 2], parts[len(parts) - keep // 2:]
         hidden = len(block_table) - sum(n for _, n in head + tail)
-        text = " ".join(t for t, _ in head + [(f"(+{hidden})", hidden)] * bool(hidden) + tail)
+        middle = [(f"(+{hidden})", hidden)] if hidden else []
+        text = " ".join(t for t, _ in head + middle + tail)
         if len(text) + 2 <= width:
             break
     return f"[{text}]"
@@ -1628,7 +1660,8 @@ class View:
         self.svg_step = svg_step    # the step to save; None: the first with the most events
         self.svg_frame = (-1, None)   # (events, frame)
         self.events = deque(maxlen=1000)   # recent story events (debug kinds are not shown)
-        self.rich_live = self.last_frame = None   # while live: rich's Live, the frame it shows
+        self.rich_live = None    # while live: rich's Live
+        self.last_frame = None   # and the frame it shows
         self.draw_seconds = 0.0     # time spent drawing: the view's own cost
 
     def __enter__(self):
@@ -1668,10 +1701,10 @@ class View:
         the events take the rows left: this step's that fit, a count of the rest, then older."""
         width = self.console.width
         top = self.metrics(report, width) + self.batch(report.batch, width)
-        top += self.pools(width, max(3, (height - 14) * 2 // 3) if height else 1 << 30)
+        top += self.pools(width, max(3, (height - 14) * 2 // 3) if height else None)
         story = [wrapped(f"{e.step:>5}  {e.words()}", width, indent=7) for e in events]
         if height is None:
-            return Group(*top, *self.sequences(width, 1 << 30), *itertools.chain(*story))
+            return Group(*top, *self.sequences(width), *itertools.chain(*story))
         room = height - len(top)   # for the sequences (a header, rows, a count) and the events
         if width < MIN_VIEW_WIDTH or room < 4:
             return self.too_small(report, events, width, height, len(top) + 4)
@@ -1715,9 +1748,10 @@ class View:
         parts = [f"seq {s.seq_id} prefill {start}-{start + n - 1} of {s.prefill_until}"
                  for s, start, n in ran if start < s.prefill_until]
         decodes = sorted(s.seq_id for s, start, _ in ran if start >= s.prefill_until)
-        parts += [f"seqs {_ids(decodes)} decode"] * bool(decodes)
-        tokens = f"{batch.num_tokens} token" + "s" * (batch.num_tokens != 1)
-        return wrapped(f"ran {tokens}: " + " | ".join(parts), width)
+        if decodes:
+            parts.append(f"seqs {_ids(decodes)} decode")
+        n = batch.num_tokens
+        return wrapped(f"ran {n} token{'' if n == 1 else 's'}: " + " | ".join(parts), width)
 
     def _cells(self, blocks, seqs, per_cell):   # a cell per per_cell blocks: see the key in pools()
         holders = {}   # block id -> ids of the requests whose tables hold it
@@ -1740,28 +1774,31 @@ class View:
                              f"bold {hue}" if b.ref_count > 1 else hue)
         return cells
 
-    def pools(self, width, max_rows):   # each tier's rows of cells, then the key to every symbol
+    def pools(self, width, max_rows=None):   # each tier's rows of cells, then a key to the symbols
         tiers = [pool for pool in self.llm.block_manager.tiers if pool.blocks]
         n = 64 if width >= 76 else 32   # cells a row
         lines, folds = [], []
         for pool in tiers:
-            per_cell = max(1, math.ceil(len(pool.blocks) / (n * max(1, max_rows // len(tiers)))))
+            rows = max(1, max_rows // len(tiers)) if max_rows else math.inf   # None: all blocks
+            per_cell = max(1, math.ceil(len(pool.blocks) / (n * rows)))
             cells = self._cells(pool.blocks, pool.seqs.values(), per_cell)
             lines += [Text(f"{pool.name if i == 0 else '':<6}{i * per_cell:>5} ") + cells[i:i + n]
                       for i in range(0, len(cells), n)]   # each row led by its first block's id
-            folds += [f"{pool.name}: {per_cell} blocks a cell"] * (per_cell > 1)
+            if per_cell > 1:
+                folds.append(f"{pool.name}: {per_cell} blocks a cell")
         key = ("digit: ref_count in its request's colour (white: several), bold: shared, +: 10 or "
                "more | ·: cached | .: free | table: *: shared, (+k): k more")
         if folds:
             key += f" | {', '.join(folds)}: █ all used, ▒ some used, · some cached, . all free"
         return lines + wrapped(key, width, "dim")
 
-    def sequences(self, width, max_rows):   # a row per live sequence: K/V written, table, text
+    def sequences(self, width, max_rows=None):   # a row per live sequence: K/V, table, text
         bm, sched = self.llm.block_manager, self.llm.scheduler
         rows = [(r, s) for r in [*sched.running, *sched.swapped, *sched.waiting] for s in r.seqs]
         header = f"{'seq':>5} {'req':>4}  {'state':<8} {'K':>4}/{'V':<4}  {'block table':<26} text"
         lines = [Text(header, "bold")]
-        for request, seq in rows[:max_rows]:
+        shown = rows[:max_rows]   # None: all
+        for request, seq in shown:
             pool = (bm.host if request.status is RequestStatus.SWAPPED else bm.device).blocks
             line = Text(f"{seq.seq_id:>5} {seq.request_id:>4}", HOLDER_COLOURS[seq.request_id % 8])
             line.append(f"  {request.status.value:<8} {seq.num_written_tokens:>4}/{len(seq):<4}  "
@@ -1770,9 +1807,10 @@ class View:
             tail = seq.token_ids[-room:] if room else []
             line.append(printable(self.llm._detokenize(tail) or " ".join(map(str, tail)))[-room:])
             lines.append(line)
-        if len(rows) > max_rows:
-            lines.append(Text(f"  ... and {len(rows) - max_rows} more sequences", "dim"))
+        if len(rows) > len(shown):
+            lines.append(Text(f"  ... and {len(rows) - len(shown)} more sequences", "dim"))
         return lines
+
 SVG_CHAR_WIDTH = 20 * 0.61   # rich's SVG: 20-pixel characters of Fira Code's aspect ratio
 SVG_RUN = re.compile(r'x="([\d.]+)" (y="[\d.]+") textLength="([\d.]+)"([^>]*)>'
                      r'((?:&#160;)*)(.*?)((?:&#160;)*)</text>')
@@ -1853,7 +1891,7 @@ def demo_text(llm):   # text(s, length): token ids (random weights: a made-up id
     return text
 
 def demo_pool(name, block_size):   # DEMO_POOLS counts 4-token blocks: smaller ones get more
-    scale = max(1, 4 // max(1, block_size))   # a block_size < 1 is refused by check_pool_args
+    scale = max(1, 4 // max(1, block_size))   # a block_size < 1 is refused by check_args
     return {k: v * scale if k.startswith("num_") else v for k, v in DEMO_POOLS[name].items()}
 
 def run_demo(llm, name, live=False, trace=False, delay=0.0, svg=None, svg_step=None, wait=False):
@@ -1883,6 +1921,7 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):   # bad input on the command line: one line, exit status 2
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         sys.exit(2)
+
 if __name__ == "__main__":
     p = ArgumentParser(
         description="nanopaged: run a demo through a paged KV cache and watch its blocks",

@@ -286,7 +286,7 @@ def test_a_failed_step_leaves_the_other_requests_exact():
     llm.copy_blocks = failing_copy_blocks
     with pytest.raises(KeyboardInterrupt):
         llm.generate([[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 1, 2]], params)
-    assert any(src == dst == "device" for src, _, dst, _ in calls[2])   # a copy-on-write was left undone
+    assert any(src.name == dst.name == "device" for src, _, dst, _ in calls[2])   # a copy-on-write was left undone
     llm.copy_blocks = copy_blocks
     while llm.scheduler.has_unfinished():
         llm.step()

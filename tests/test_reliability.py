@@ -105,7 +105,7 @@ def test_swap_out_and_in_keeps_kv_and_continues_exactly():
     copies = list(llm.block_manager.copies)
     llm.copy_blocks()
     distinct = len({b for s in seqs for b in s.block_table})
-    assert len(copies) == distinct and {(c[0], c[2]) for c in copies} == {("device", "host")}   # each distinct block moved once: sharing survives
+    assert len(copies) == distinct and {(c[0].name, c[2].name) for c in copies} == {("device", "host")}   # each distinct block moved once: sharing survives
     assert seqs[0].block_table[:5] == seqs[1].block_table[:5]
     for s, kv in zip(seqs, before):
         assert torch.equal(kv_of(llm, s, llm.kv_caches["host"]), kv)
@@ -134,7 +134,7 @@ def test_swapped_in_kv_equals_swapped_out_kv():
     llm.copy_blocks()
     llm.kv_cache.normal_()   # whatever the device pool held is gone
     batch = llm.scheduler.schedule()
-    assert [c for c in llm.block_manager.copies if c[0] == "host"] and seq in [e.seq for e in batch.entries]
+    assert [c for c in llm.block_manager.copies if c[0].name == "host"] and seq in [e.seq for e in batch.entries]
     llm.copy_blocks()
     assert torch.equal(kv_of(llm, seq), before)
 

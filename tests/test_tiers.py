@@ -34,14 +34,17 @@ def cached(bm, token_ids):
 
 
 def events(bm):
-    """The events recorded since the last call, as (kind, blocks, to, note, tier)."""
+    """The events recorded since the last call, as (kind, blocks, to, what, tier): what is the
+    tier the blocks went to, else the detail the words say (tokens found, ...); tiers by name."""
     records, bm.events.records = bm.events.records, []
-    return [(e.kind, e.block_ids, e.to_ids, e.note, e.tier) for e in records]
+    what = lambda e: e.to_tier.name if e.to_tier else "".join(map(str, e.details.values()))
+    return [(e.kind, e.block_ids, e.to_ids, what(e), e.tier.name if e.tier else "device")
+            for e in records]
 
 
 def taken(bm):
     """The copies queued since the last call, in the order decided; the queue is emptied."""
-    copies = list(bm.copies)
+    copies = [(src.name, a, dst.name, b) for src, a, dst, b in bm.copies]   # tiers by name
     bm.copies.clear()
     return copies
 
@@ -154,7 +157,7 @@ def test_prompt_loads_its_prefix_from_host_and_disk():
                       ("disk", 0, "device", 1), ("host", 0, "disk", 0), ("device", 2, "host", 0)]
     kinds = events(bm)
     assert [e for e in kinds if e[0] in ("load", "prefix hit")] == [
-        ("load", (0,), (0,), "", "host"), ("load", (0,), (1,), "", "disk"),
+        ("load", (0,), (0,), "device", "host"), ("load", (0,), (1,), "device", "disk"),
         ("prefix hit", (0, 1), (), "8", "device")]
     assert dict(bm.tier_hits) == {"host": 4, "disk": 4} and bm.prefix_cache_hits == 8
     assert bm.num_loaded_blocks - loaded == 2
@@ -201,7 +204,7 @@ class Worth:
         self.worth = {"host": host, "disk": disk}
 
     def worth_loading(self, tier):
-        return self.worth[tier]
+        return self.worth[tier.name]
 
 
 def test_tiers_not_worth_loading_are_neither_written_down_to_nor_read():
@@ -314,7 +317,8 @@ def test_chat_histories_come_back_from_host_and_disk_with_the_same_outputs(tmp_p
         llm = checked(LLM("random:tiny", block_size=BS, num_blocks=16, **kwargs))
         replies[name], hittable = chat(llm)
         cost = llm.block_manager.cost   # as measured: a block's copy costs less than its tokens
-        assert all(cost.worth_loading(t) for t in ("host", "disk") if t in name), cost
+        bm = llm.block_manager
+        assert all(cost.worth_loading(t) for t in (bm.host, bm.disk) if t.name in name), cost
         stats[name] = llm.stats()
         assert_no_block_held(llm)
     assert all(r == replies["device"] for r in replies.values())
@@ -407,7 +411,8 @@ def test_ctrl_c_between_copies_of_loads_and_write_downs_leaves_the_engine_whole(
     copy_blocks, seen = llm.copy_blocks, []
 
     def copy_blocks_tripped():   # armed once: the first step that loads and writes down
-        kinds = {(src == "device", dst == "device") for src, _, dst, _ in llm.block_manager.copies}
+        copies = llm.block_manager.copies
+        kinds = {(src.name == "device", dst.name == "device") for src, _, dst, _ in copies}
         if not seen and {(False, True), (True, False)} <= kinds:
             seen.append(list(llm.block_manager.copies))
             llm.kv_caches.left = len(seen[0]) + 1   # in the middle: half the copies made
