@@ -1,6 +1,6 @@
 """
-bench.py: the claims of paging, measured on this machine beside baselines, in seven experiments
-(memory, throughput, prefix, sharing, block_size, preemption, multiturn): a table and a conclusion.
+bench.py: the claims of paging, measured on this machine beside baselines, in six experiments
+(memory, throughput, prefix, sharing, preemption, multiturn): a table and a conclusion.
 
     python bench.py                    every experiment, the default model
     python bench.py --quick            smaller workloads, a few minutes (what fresh-check runs)
@@ -110,28 +110,22 @@ def hf_continuous(hf, prompts, params, num_blocks):
 # ----------------------------------------------------------------------------------------------
 # The experiments
 
-def sweep(model, block_sizes, num_requests, num_slots=None, max_model_len=None, device=None):
-    """The mixed workload (every fourth request n=2) at each block size, in num_slots tokens or room
-    for all at once: rows of block_size, occupancy, waste, requests at once, tokens/s, copies."""
-    rows = []
-    for size in block_sizes:
-        llm = LLM(model, device=device, block_size=size, max_model_len=max_model_len,
-                  num_blocks=(num_slots or num_requests * 2 * MAX_LEN) // size)
-        prompts, params = mixed_workload(llm, num_requests, sample_every=4)
-        _, seconds, seen = run(llm, f"block_size {size}", prompts, params)
-        wasted = [s["used_blocks"] * size * (1 - s["token_occupancy_perc"]) for s in seen]
-        rows.append([size, mean(s["token_occupancy_perc"] for s in seen), round(mean(wasted)),
-                     max(s["running_requests"] for s in seen),
-                     seen[-1]["num_generated_tokens"] / seconds, seen[-1]["num_cow_copies"]])
-    return rows
-
 def memory(args):
     """Occupancy, waste and requests that fit a KV budget: paged (block sizes 8, 16, 32) against
-    a block of max_model_len per request. Random tiny weights: the accounting is the same."""
+    a block of max_model_len per request, on the mixed workload (every fourth request n=2).
+    Random tiny weights: the accounting is the same."""
     max_model_len = 1024
     slots = args.num_requests // 4 * max_model_len   # the budget: a quarter of the requests
-    rows = sweep("random:tiny", (8, 16, 32, max_model_len), args.num_requests, slots, max_model_len)
-    rows = [["contiguous" if r[0] == max_model_len else "paged"] + r[:4] for r in rows]
+    rows = []
+    for size in (8, 16, 32, max_model_len):
+        llm = LLM("random:tiny", block_size=size, max_model_len=max_model_len,
+                  num_blocks=slots // size)
+        prompts, params = mixed_workload(llm, args.num_requests, sample_every=4)
+        _, _, seen = run(llm, f"block_size {size}", prompts, params)
+        wasted = [s["used_blocks"] * size * (1 - s["token_occupancy_perc"]) for s in seen]
+        rows.append(["contiguous" if size == max_model_len else "paged", size,
+                     mean(s["token_occupancy_perc"] for s in seen), round(mean(wasted)),
+                     max(s["running_requests"] for s in seen)])
     report("memory", f"{args.num_requests} requests, a KV budget of {slots} token slots",
            ["layout", "block_size", "token occupancy", "slots wasted", "requests at once"], rows,
            f"At block_size 16, {rows[1][2]:.0%} of the reserved slots hold tokens, against "
@@ -199,16 +193,6 @@ def sharing(args):
            f"Beams that share their prefix hold {rows[1][3]:.0%} of the blocks they would hold "
            f"unshared; four samples hold {rows[0][3]:.0%}, sharing only the prompt.")
 
-def block_size(args):
-    """Half the mixed workload, every fourth request n=2, at block sizes 4 to 64 (--quick: 3)."""
-    sizes = (4, 16, 64) if args.quick else (4, 8, 16, 32, 64)
-    rows = sweep(args.model, sizes, args.num_requests // 2, device=args.device)
-    rows = [[size, occ, tps, copies, copies * size] for size, occ, _, _, tps, copies in rows]
-    report("block_size", f"{args.num_requests // 2} requests, every fourth one n=2",
-           ["block_size", "token occupancy", "output tokens/s", "copies", "slots copied"], rows,
-           f"Small blocks waste least ({rows[0][1]:.0%} occupied at 4, {rows[-1][1]:.0%} at 64) "
-           f"and copy fewest slots; block_size {max(rows, key=lambda r: r[2])[0]} ran fastest.")
-
 def preemption(args):
     """The mixed workload (--quick: half) in a third of its peak need, in every preemption mode."""
     llm = LLM(args.model, device=args.device, num_blocks=args.num_requests * MAX_LEN // 16)
@@ -270,8 +254,7 @@ def multiturn(args):
            f"recompute: {1e3 * cost.block_size * cost.seconds_per_token:.0f} ms at most). On a "
            f"CPU the device is host memory too; the disk file may sit in the page cache.")
 
-EXPERIMENTS = {f.__name__: f for f in (memory, throughput, prefix, sharing, block_size, preemption,
-                                       multiturn)}
+EXPERIMENTS = {f.__name__: f for f in (memory, throughput, prefix, sharing, preemption, multiturn)}
 
 if __name__ == "__main__":
     p = nanopaged.ArgumentParser(description="nanopaged benchmark: the claims of paging, measured")

@@ -20,7 +20,7 @@ one request travels, with every mechanism of its memory system.
                                   write, fork, free, eviction down the tiers, swap
   3. ScheduledBatch, Scheduler    which tokens run this step; preemption when blocks run out
   4. sample, LLM                  the engine: block copies, tensors for the model, sampling, step
-After it, for a second reading: 5. API guards, 6. invariant checks, 7. events and the debug log,
+After it, for a second reading: 5. API guards, 6. invariant checks, 7. events and metrics,
 8. the cost rule and the disk file, 9. failure recovery, 10. beam search rounds, 11. the live
 view, 12. the command line and its demos.
 
@@ -226,7 +226,7 @@ class BlockManager:
                    num_disk_blocks=num_disk_blocks)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.events = events or EventLog()   # what happened, for the view and the debug log
+        self.events = events or EventLog()   # what happened, for the view and the trace
         self.cost = cost   # which tiers are worth loading from (section 8); None: all of them
         self.tiers = [Pool("device", num_blocks), Pool("host", num_cpu_blocks),
                       Pool("disk", num_disk_blocks)]
@@ -319,40 +319,35 @@ class BlockManager:
             pool.free_block_ids.append(block.block_id)
         return pool.blocks[pool.free_block_ids.popleft()]
 
-    def _allocate_block(self, pool, seq):
+    def _allocate_block(self, pool):
         block = self._get_new_block(pool)
         block.ref_count = 1
-        self.events.record_ref(pool, "allocate", seq, block)
         return block.block_id
 
-    def _hold(self, pool, block, seq):
+    def _hold(self, pool, block):
         if block.ref_count == 0:   # a cached block comes back to life (a block just taken is
             pool.cached_block_ids.pop(block.block_id, None)   # in no list)
         block.ref_count += 1
-        self.events.record_ref(pool, "ref+1", seq, block)
 
-    def _release(self, pool, block, seq):
+    def _release(self, pool, block):
         block.ref_count -= 1
-        self.events.record_ref(pool, "ref-1", seq, block)
         if block.ref_count == 0 and block.hash is not None:
             self._cache(pool, block)
-            self.events.record_ref(pool, "cache", seq, block)
         elif block.ref_count == 0:
             pool.free_block_ids.append(block.block_id)
-            self.events.record_ref(pool, "free", seq, block)
 
     def _cache(self, pool, block):   # the most recently cached: evicted last
         block.cached_at = next(self.clock)
         pool.cached_block_ids[block.block_id] = None
 
-    def _load(self, pool, block, seq):
-        """Move a lower tier's block that seq holds up into a new device block (returned): its K/V
+    def _load(self, pool, block):
+        """Move a lower tier's block that a sequence holds up into a new device block (returned): its K/V
         are copied up, its place in the prefix cache goes with them."""
-        block_id = self._allocate_block(self.device, seq)
+        block_id = self._allocate_block(self.device)
         self.copies.append((pool, block.block_id, self.device, block_id))
         self._register(self.device, self.device.blocks[block_id], block.entry)
         self._unregister(pool, block)
-        self._release(pool, block, seq)   # free: it no longer holds a prefix
+        self._release(pool, block)   # free: it no longer holds a prefix
         self.num_loaded_blocks += 1
         self.tier_hits[pool.name] += self.block_size
         return block_id
@@ -363,7 +358,7 @@ class BlockManager:
 
     def _take_blocks_for_all_tokens(self, seq):
         for _ in range(self._num_blocks_for(len(seq)) - len(seq.block_table)):
-            seq.block_table.append(self._allocate_block(self.device, seq))
+            seq.block_table.append(self._allocate_block(self.device))
 
     def num_shared(self, leader, seq):
         """Blocks seq can share with leader, its sibling: the leading blocks that hold the same
@@ -385,8 +380,8 @@ class BlockManager:
         assert not seq.block_table, f"seq {seq.seq_id} already holds blocks"
         hits = self._cache_hits(seq)
         for pool, block in hits:   # held first: no block taken below can evict one of them
-            self._hold(pool, block, seq)
-        seq.block_table = [b.block_id if pool is self.device else self._load(pool, b, seq)
+            self._hold(pool, block)
+        seq.block_table = [b.block_id if pool is self.device else self._load(pool, b)
                            for pool, b in hits]
         self._take_blocks_for_all_tokens(seq)
         seq.num_cached_tokens = len(hits) * self.block_size
@@ -420,12 +415,12 @@ class BlockManager:
         """Make sure the slot of seq's last token exists and may be written. Returns (src, dst)
         when a shared block had to be copied first (copy-on-write), else None."""
         if self._needs_new_block(seq):
-            seq.block_table.append(self._allocate_block(self.device, seq))
+            seq.block_table.append(self._allocate_block(self.device))
         elif self._needs_copy(seq):   # shared and partly filled: this writer gets its own copy
             src = self.device.blocks[seq.block_table[-1]]
-            dst = self._allocate_block(self.device, seq)
+            dst = self._allocate_block(self.device)
             self.copies.append((self.device, src.block_id, self.device, dst))
-            self._release(self.device, src, seq)
+            self._release(self.device, src)
             seq.block_table[-1] = dst
             self.num_cow_copies += 1
             self.events.record("copy", [seq.seq_id], [src.block_id], to_ids=[dst])
@@ -437,7 +432,7 @@ class BlockManager:
         ref_counts go up, fresh blocks hold the rest (a recomputed sample's, with its leader)."""
         shared = parent.block_table[:num_blocks]
         for block_id in shared:
-            self._hold(self.device, self.device.blocks[block_id], child)
+            self._hold(self.device, self.device.blocks[block_id])
         child.block_table = list(shared)
         self._take_blocks_for_all_tokens(child)
         child.block_hashes = parent.block_hashes[:len(shared)]
@@ -451,7 +446,7 @@ class BlockManager:
         tail is then evicted before the prefix, which other requests are likelier to share."""
         pool = self.host if seq.seq_id in self.host.seqs else self.device
         for block_id in reversed(seq.block_table):
-            self._release(pool, pool.blocks[block_id], seq)
+            self._release(pool, pool.blocks[block_id])
         pool.seqs.pop(seq.seq_id, None)
         seq.block_table = []
 
@@ -475,7 +470,6 @@ class BlockManager:
             twins = self._lookup(self.tiers, *key)
             prefix_id = twins[0][1].prefix_id if twins else next(self.prefix_ids)
             self._register(self.device, block, (*key[:2], prefix_id, key[2]))
-            self.events.record("register", [seq.seq_id], [block.block_id], prefix_id=prefix_id)
 
     def _register(self, pool, block, entry):   # entry: see Block.entry
         block.hash, block.token_ids, block.prefix_id, block.parent_prefix_id = entry
@@ -527,8 +521,8 @@ class BlockManager:
         self.events.record(kind, seq_ids, mapping.keys(), src, mapping.values(), dst)
         for seq in seqs:
             for i in reversed(range(len(seq.block_table))):
-                self._hold(dst, dst.blocks[mapping[seq.block_table[i]]], seq)
-                self._release(src, src.blocks[seq.block_table[i]], seq)
+                self._hold(dst, dst.blocks[mapping[seq.block_table[i]]])
+                self._release(src, src.blocks[seq.block_table[i]])
                 seq.block_table[i] = mapping[seq.block_table[i]]
             dst.seqs[seq.seq_id] = src.seqs.pop(seq.seq_id)
         return list(mapping.items())
@@ -787,7 +781,7 @@ class LLM:
     def __init__(self, model=None, device=None, dtype=None, block_size=16, num_blocks=None,
                  num_cpu_blocks=0, num_disk_blocks=0, disk_path=None, enable_prefix_caching=True,
                  max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=None,
-                 preemption_mode="auto", seed=0, swap_space=None, debug_blocks=False):
+                 preemption_mode="auto", seed=0, swap_space=None):
         # the arguments are checked before the model loads, which takes seconds (section 5)
         check_engine_args(**{k: v for k, v in locals().items() if k != "self"})
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -822,16 +816,14 @@ class LLM:
                           "disk": open_disk_pool(self, disk_path, disk_shape)}   # (section 8)
         # the cost rule (section 8): each tier's block copy timed now, each step's tokens after it
         cost = CostModel.measure(self, block_size)
-        # callables that get every step's StepReport: the cost rule, the view, the debug log
+        # callables that get every step's StepReport: the cost rule, the view
         self.on_step = [cost.observe]
-        self.events = EventLog(debug=debug_blocks)   # what happened, as records (section 7)
+        self.events = EventLog()   # what happened, as records (section 7)
         self.block_manager = BlockManager(num_blocks, block_size, num_cpu_blocks,
                                           enable_prefix_caching, self.events, num_disk_blocks,
                                           cost)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
                                    eos_token_ids=eos_token_ids, preemption_mode=preemption_mode)
-        if debug_blocks:
-            self.on_step.append(print_debug_log)
         self.seed = seed
         self.request_ids = itertools.count()
         self.requests = {}   # request_id -> Request, until its output is returned
@@ -1046,7 +1038,6 @@ ARG_RULES = {
                         "'recompute', 'swap' or 'auto'"),
     "seed": (lambda x: is_int(x) and 0 <= x < 2**63, "an int in [0, 2**63)"),
     "swap_space": (lambda x: x is None or is_number(x) and x >= 0, "None or a number of GiB >= 0"),
-    "debug_blocks": (is_bool, "a bool"),
     "temperature": (lambda x: is_number(x) and (x == 0 or x >= MIN_TEMPERATURE),
                     f"0 (greedy) or a number >= {MIN_TEMPERATURE}"),
     "top_p": (lambda x: is_number(x) and MIN_TOP_P <= x <= 1,
@@ -1237,14 +1228,14 @@ def check_block_manager(bm):   # BlockManager.check_invariants: each rule, asser
 
 
 # ----------------------------------------------------------------------------------------------
-# 7. What happened: events as records, for the live view and the debug log; the metrics
+# 7. What happened: events as records, for the live view and the trace; the metrics
 
 def _ids(xs):   # '0-3, 7, 12' for the event log: a run of three or more ids as first-last
     groups = itertools.groupby(enumerate(xs), lambda p: p[1] - p[0])   # x - i: one per run
     runs = [[x for _, x in group] for _, group in groups]
     return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
 
-EVENT_WORDS = {   # the plain words of each kind of event, for the debug log and the live view
+EVENT_WORDS = {   # the plain words of each kind of event, for the live view and the trace
     "prefix hit": "seq {seqs} finds blocks {blocks} in the prefix cache ({num_tokens} tokens)",
     "fork": "seq {seqs} forks from seq {parent}: blocks {blocks} shared",
     "copy": "seq {seqs} copies shared block {blocks} to block {to} before writing (copy-on-write)",
@@ -1256,15 +1247,7 @@ EVENT_WORDS = {   # the plain words of each kind of event, for the debug log and
     "preempt": "seq {seqs} preempted by {mode}: blocks {blocks} taken back",
     "finish": "seq {seqs} finishes ({reason}): blocks {blocks} released",
     "watermark": "seq {seqs} waits: it fits, but the watermark keeps {num_blocks} free for decodes",
-    # the debug log's kinds (debug_blocks=True): every single ref-count change, in any tier
-    "allocate": "seq {seqs} takes free block {blocks} ({tier} tier, ref {ref_count})",
-    "ref+1": "seq {seqs} holds block {blocks} ({tier} tier, ref {ref_count})",
-    "ref-1": "seq {seqs} lets go of block {blocks} ({tier} tier, ref {ref_count})",
-    "cache": "seq {seqs} leaves block {blocks} in the prefix cache ({tier} tier, ref {ref_count})",
-    "free": "seq {seqs} leaves block {blocks} free ({tier} tier, ref {ref_count})",
-    "register": "seq {seqs} registers block {blocks} in the prefix cache (prefix {prefix_id})",
 }
-DEBUG_KINDS = frozenset(["allocate", "ref+1", "ref-1", "cache", "free", "register"])
 
 @dataclass(frozen=True)
 class Event:
@@ -1285,19 +1268,13 @@ class Event:
 
 @dataclass
 class EventLog:   # what the block manager and the scheduler did, taken after each step
-    debug: bool = False   # keep the debug kinds too: one event per ref-count change
-    step: int = 0         # the step the engine is in, stamped on each record
+    step: int = 0   # the step the engine is in, stamped on each record
     records: list = field(default_factory=list)   # of Event
 
     def record(self, kind, seq_ids=(), block_ids=(), tier=None, to_ids=(), to_tier=None,
                **details):
-        if self.debug or kind not in DEBUG_KINDS:
-            self.records.append(Event(self.step, kind, tuple(seq_ids), tuple(block_ids), tier,
-                                      tuple(to_ids), to_tier, details))
-
-    def record_ref(self, pool, kind, seq, block):   # a debug kind: a ref-count change
-        if self.debug:   # (no record is made per ref-count change otherwise)
-            self.record(kind, [seq.seq_id], [block.block_id], pool, ref_count=block.ref_count)
+        self.records.append(Event(self.step, kind, tuple(seq_ids), tuple(block_ids), tier,
+                                  tuple(to_ids), to_tier, details))
 
     def take(self):
         records, self.records = self.records, []
@@ -1330,9 +1307,6 @@ def num_stored_tokens(bm):   # distinct token slots holding K/V in used blocks: 
             filled[block_id] = max(filled.get(block_id, 0), n)
     return sum(filled.values())
 
-def print_debug_log(report):   # the debug log (debug_blocks=True): an on_step callback
-    for e in report.events:
-        print(f"step {e.step:5}  {e.kind:10}  {e.words()}", file=sys.stderr)
 
 # ----------------------------------------------------------------------------------------------
 # 8. The cost rule: copy blocks, or recompute their tokens, whichever costs less here; the disk file
@@ -1659,7 +1633,7 @@ class View:
         self.svg = svg              # keep one frame to save as an SVG image (save_svg)
         self.svg_step = svg_step    # the step to save; None: the first with the most events
         self.svg_frame = (-1, None)   # (events, frame)
-        self.events = deque(maxlen=1000)   # recent story events (debug kinds are not shown)
+        self.events = deque(maxlen=1000)   # recent events, for the live view
         self.rich_live = None    # while live: rich's Live
         self.last_frame = None   # and the frame it shows
         self.draw_seconds = 0.0     # time spent drawing: the view's own cost
@@ -1680,7 +1654,7 @@ class View:
 
     def __call__(self, report):
         t0 = time.perf_counter()
-        story = [e for e in report.events if e.kind not in DEBUG_KINDS]
+        story = report.events
         self.events.extend(story)
         most = self.svg_step is None and len(story) > self.svg_frame[0]
         if self.svg and (most or report.step == self.svg_step):
@@ -1944,7 +1918,6 @@ if __name__ == "__main__":
     p.add_argument("--preemption-mode", choices=["recompute", "swap", "auto"], help="see README")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     p.add_argument("--max-num-batched-tokens", type=int, help="tokens a step computes at most")
-    p.add_argument("--debug-blocks", action="store_true", help="log every block event to stderr")
     args = p.parse_args()
     if args.svg is not None and not writable(args.svg):
         p.error(f"--svg {args.svg!r}: not a file this program can write (a folder? no such one?)")
@@ -1955,7 +1928,7 @@ if __name__ == "__main__":
     if args.svg_step is not None and not (args.svg and args.svg_step >= 1):
         p.error(f"--svg-step {args.svg_step}: give a step >= 1, and --svg")
     kwargs = dict(demo_pool(args.demo, args.block_size), block_size=args.block_size,
-                  debug_blocks=args.debug_blocks, enable_prefix_caching=not args.no_prefix_caching)
+                  enable_prefix_caching=not args.no_prefix_caching)
     optional = ("num_blocks", "num_cpu_blocks", "num_disk_blocks", "disk_path", "preemption_mode",
                 "max_num_batched_tokens")
     kwargs.update({k: getattr(args, k) for k in optional if getattr(args, k) is not None})

@@ -11,7 +11,7 @@ import pytest
 from rich.console import Console
 
 from conftest import assert_no_block_held, checked
-from nanopaged import (DEBUG_KINDS, DEMO_POOLS, DEMOS, LLM, RequestStatus, SamplingParams, View,
+from nanopaged import (DEMO_POOLS, DEMOS, LLM, RequestStatus, SamplingParams, View,
                        demo_arrivals, demo_pool, demo_text, table_text)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -148,7 +148,7 @@ def frames_of(llm, arrivals, width, height):
 
     def draw(report):
         view(report)   # keeps the events it has seen, as when entered
-        story = [e for e in report.events if e.kind not in DEBUG_KINDS]
+        story = report.events
         lines = console.render_lines(view.frame(report, story, height), pad=False)
         frames.append((report, ["".join(s.text for s in line) for line in lines]))
 
@@ -174,7 +174,7 @@ def test_the_live_view_shows_or_counts_every_event_and_fits_the_terminal(width, 
     for report, lines in frames:
         assert len(lines) <= height and max(map(len, lines)) <= width
         joined = "\n".join(lines).replace("\n       ", " ")
-        story = [e for e in report.events if e.kind not in DEBUG_KINDS]
+        story = report.events
         squeezed = "".join(lines).replace(" ", "")   # a note, however it was wrapped or cut
         note = f"step {report.step}: {len(story)} events. The terminal ({width}x{height}) is too "
         note = (note + "small for the view").replace(" ", "")
@@ -303,7 +303,7 @@ def test_delay_pauses_longer_on_steps_with_events(monkeypatch):
     monkeypatch.setattr("nanopaged.time.sleep", pauses.append)
     llm = LLM("random:tiny", block_size=4, num_blocks=48)
     events = []
-    llm.on_step.append(lambda r: events.append(sum(e.kind not in DEBUG_KINDS for e in r.events)))
+    llm.on_step.append(lambda r: events.append(len(r.events)))
     console = Console(file=io.StringIO(), width=80, color_system=None)
     with View(llm, live=False, console=console, delay=0.5):
         llm.generate([[1, 2, 3, 4, 5, 6, 7]], SamplingParams(n=4, max_tokens=4, seed=0))
