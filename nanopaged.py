@@ -1489,8 +1489,8 @@ def interrupts_held(hold=None):
         else:
             previous(signum, frame)   # Python's own handler raises KeyboardInterrupt here
 
-    signal.signal(signal.SIGINT, handler)
-    try:
+    try:   # (a Ctrl-C that comes as it is set: the finally puts the previous one back)
+        signal.signal(signal.SIGINT, handler)
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
@@ -1506,16 +1506,18 @@ class recovery:
         self.undo = undo
         self.frame = sys._getframe(1)   # the frame and line of the `with` statement
         self.line = self.frame.f_lineno
-        self.entered = False   # until __enter__ is done
+        self.entered = False   # until __enter__ begins
         self.recovering = False
 
     def leaving(self):   # is the block over, its frame back at the `with` line, or recovering?
         return self.recovering or self.entered and self.frame.f_lineno == self.line
 
     def __enter__(self):
+        # entered first: a Ctrl-C that comes after the handler is set waits for __exit__, which
+        # will run; one that raised here instead would leave the handler set for good
+        self.entered = True
         self.interrupts = interrupts_held(hold=self.leaving)
         self.interrupts.__enter__()
-        self.entered = True
 
     def __exit__(self, kind, exc, tb):
         try:

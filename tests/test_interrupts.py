@@ -251,6 +251,8 @@ def check_every_point(mode, kind, where_to, error, in_steps_only=False):
             assert holders <= {s.seq_id for s in request.seqs}, where
         else:   # the line was not reached this time: no SIGINT was sent
             assert not interrupt.sent, f"{where}: lost"
+        # no handler of the engine's is left set: the next Ctrl-C goes where it went before
+        assert signal.getsignal(signal.SIGINT) is count_and_raise, f"{where}: a handler left set"
         # the queued request ends with the tokens of a run never interrupted (its random stream
         # and its K/V are as they were), and, every tenth time, the same LLM makes the call again
         assert finish(llm, queued) == want_queued, where
