@@ -340,11 +340,13 @@ class BlockManager:
         block.cached_at = next(self.clock)
         pool.cached_block_ids[block.block_id] = None
 
-    def _load(self, pool, block):
-        """Move a lower tier's block that a sequence holds up into a new device block (returned): its K/V
+    def _load(self, pool, block, seq):
+        """Move a lower tier's block that seq holds up into a new device block (returned): its K/V
         are copied up, its place in the prefix cache goes with them."""
-        block_id = self._allocate_block(self.device)
+        block_id = self._allocate_block(self.device)   # (evicting first, if it must)
         self.copies.append((pool, block.block_id, self.device, block_id))
+        why = f" ({self.cost.load_figures(pool)})" if self.cost else ""
+        self.events.record("load", [seq.seq_id], [block.block_id], pool, [block_id], why=why)
         self._register(self.device, self.device.blocks[block_id], block.entry)
         self._unregister(pool, block)
         self._release(pool, block)   # free: it no longer holds a prefix
@@ -381,16 +383,11 @@ class BlockManager:
         hits = self._cache_hits(seq)
         for pool, block in hits:   # held first: no block taken below can evict one of them
             self._hold(pool, block)
-        seq.block_table = [b.block_id if pool is self.device else self._load(pool, b)
+        seq.block_table = [b.block_id if pool is self.device else self._load(pool, b, seq)
                            for pool, b in hits]
         self._take_blocks_for_all_tokens(seq)
         seq.num_cached_tokens = len(hits) * self.block_size
         seq.num_computed_tokens = seq.num_cached_tokens
-        for tier in self.tiers[1:]:
-            loads = [(b.block_id, d) for (t, b), d in zip(hits, seq.block_table) if t is tier]
-            if loads:
-                below, device = zip(*loads)
-                self.events.record("load", [seq.seq_id], below, tier, device, self.device)
         if hits:
             self.events.record("prefix hit", [seq.seq_id], seq.block_table[:len(hits)],
                                num_tokens=seq.num_cached_tokens)
@@ -544,6 +541,7 @@ ScheduledSeq = namedtuple("ScheduledSeq", "request seq num_new_tokens")
 class ScheduledBatch:
     budget: int                                   # max_num_batched_tokens
     entries: list = field(default_factory=list)   # ScheduledSeq of each sequence that runs
+    slot_mapping: list = field(default_factory=list)   # each token's slot (LLM._prepare sets it)
 
     @property
     def num_tokens(self):
@@ -672,20 +670,23 @@ class Scheduler:
             seq.prefill_until = len(seq)
         self._start_running(request, batch)
 
-    def _choose_mode(self, request):
+    def _choose_mode(self, request):   # (mode, why: for the trace)
         bm = self.block_manager
-        if self.preemption_mode == "recompute" or not bm.can_swap_out(*request.seqs):
-            return "recompute"   # (no room in the host pool for its blocks: recompute)
+        if self.preemption_mode == "recompute":
+            return "recompute", ""
+        if not bm.can_swap_out(*request.seqs):
+            return "recompute", "no room for its blocks in the host pool"
         if self.preemption_mode == "swap" or bm.cost is None:
-            return "swap"
-        return bm.cost.cheaper_mode(bm, request)   # auto: the cost rule (section 8)
+            return "swap", ""
+        return bm.cost.cheaper_mode(bm, request)   # auto: the cost rule, its figures (section 8)
 
     def preempt(self, request, batch, mode=None):
         """Take a running request's blocks back, all at once: swapped to the host pool, to resume
         where it was, or freed (the prefix cache may keep much), to be recomputed, in front."""
-        mode = mode or self._choose_mode(request)
+        mode, why = (mode, "") if mode else self._choose_mode(request)
         held = sorted({b for s in request.seqs for b in s.block_table})
-        self.events.record("preempt", [s.seq_id for s in request.seqs], held, mode=mode)
+        self.events.record("preempt", [s.seq_id for s in request.seqs], held, mode=mode,
+                           why=f" ({why})" if why else "")
         self.running.remove(request)
         batch.remove(request)
         if mode == "swap":
@@ -965,6 +966,7 @@ class LLM:
             if end == len(seq):   # the chunk reaches the last token: its logits sample
                 logits_indices.append(query_start_loc[-1] - 1)
                 to_sample.append((request, seq))
+        batch.slot_mapping = slot_mapping   # (the trace shows where decodes write)
         tables = [e.seq.block_table for e in batch.entries]
         max_blocks = max(map(len, tables))
         block_tables = [t + [0] * (max_blocks - len(t)) for t in tables]   # padding is masked
@@ -1240,11 +1242,11 @@ EVENT_WORDS = {   # the plain words of each kind of event, for the live view and
     "fork": "seq {seqs} forks from seq {parent}: blocks {blocks} shared",
     "copy": "seq {seqs} copies shared block {blocks} to block {to} before writing (copy-on-write)",
     "evict": "{tier} block {blocks} is evicted from the prefix cache (cached, held by nobody)",
-    "write down": "block {blocks} written down to {to_tier} block {to} (evicted from the {tier})",
-    "load": "seq {seqs} finds blocks {blocks} in the {tier} tier: loaded into blocks {to}",
+    "write down": "{tier} block {blocks} evicted, its K/V written down to {to_tier} block {to}",
+    "load": "seq {seqs} finds block {blocks} in the {tier} tier: loaded into block {to}{why}",
     "swap out": "seq {seqs} swapped out: blocks {blocks} to host blocks {to}",
     "swap in": "seq {seqs} swapped in: host blocks {blocks} to blocks {to}",
-    "preempt": "seq {seqs} preempted by {mode}: blocks {blocks} taken back",
+    "preempt": "seq {seqs} preempted by {mode}: blocks {blocks} taken back{why}",
     "finish": "seq {seqs} finishes ({reason}): blocks {blocks} released",
     "watermark": "seq {seqs} waits: it fits, but the watermark keeps {num_blocks} free for decodes",
 }
@@ -1350,13 +1352,24 @@ class CostModel:
     def worth_loading(self, tier):   # a block's copy up against recomputing its tokens
         return self.seconds_per_block[tier.name] < self.block_size * self.seconds_per_token
 
-    def cheaper_mode(self, bm, request):
+    def load_figures(self, tier):   # the rule's two sides for a block, as the trace tells them
+        return (f"copy {ms(self.seconds_per_block[tier.name])} < recompute "
+                f"{ms(self.block_size * self.seconds_per_token)}")
+
+    def cheaper_mode(self, bm, request):   # (mode, the rule's figures, as the trace tells them)
         leader = request.seqs[0]   # a recompute computes it whole, the others past what they share
         num_tokens = len(leader) + sum(len(s) - bm.block_size * bm.num_shared(leader, s)
                                        for s in request.seqs[1:])
         num_blocks = len({b for s in request.seqs for b in s.block_table})
         swap_seconds = 2 * num_blocks * self.seconds_per_block[bm.host.name]   # out, then back in
-        return "swap" if swap_seconds < num_tokens * self.seconds_per_token else "recompute"
+        recompute_seconds = num_tokens * self.seconds_per_token
+        mode = "swap" if swap_seconds < recompute_seconds else "recompute"
+        return mode, (f"copy 2 x {num_blocks} blocks {ms(swap_seconds)}, recompute {num_tokens} "
+                      f"tokens {ms(recompute_seconds)}")
+
+
+def ms(seconds):   # a measured time, as the trace prints it
+    return f"{1e3 * seconds:.3g} ms"
 
 def open_disk_pool(llm, path, shape):
     """The disk tier's K/V: a new file (by default a temporary one) mapped into memory, so that a
@@ -1598,7 +1611,14 @@ def printable(text):   # never raw: a newline as a space, other control characte
 
 def wrapped(text, width, style=None, indent=2):   # rows of at most width columns, nothing cut
     rows = textwrap.wrap(text, width, subsequent_indent=" " * indent, break_on_hyphens=False)
-    return [Text(row, style) for row in rows]
+    return [Text(row.replace(NBSP, " "), style) for row in rows]   # NBSP: a space, never a break
+
+
+NBSP = "\xa0"
+
+
+def phrases(items, width, style=None):   # rows of whole phrases, " | " between them
+    return wrapped(f"{NBSP}| ".join(item.replace(" ", NBSP) for item in items), width, style)
 
 MIN_VIEW_WIDTH = 64   # a sequence row: its ids, state, K/V, block table, some text
 HOLDER_COLOURS = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "orange3"]
@@ -1706,28 +1726,34 @@ class View:
 
     def metrics(self, report, width):   # the pool's fill, then what the memory system did so far
         s, bm = report.stats, self.llm.block_manager
-        first = (f"step {report.step} | usage {s['kv_cache_usage_perc']:.0%} "
-                 f"({bm.num_used_blocks()}/{bm.num_blocks} blocks) | cached "
-                 f"{len(bm.device.cached_block_ids)} | occupancy {s['token_occupancy_perc']:.0%}"
-                 f" | hit rate {s['prefix_cache_hit_rate']:.0%}")
-        second = (f"preemptions {s['num_preemptions']} | swapped out {s['num_swapped_out_blocks']}"
-                  f" in {s['num_swapped_in_blocks']} | copies {s['num_cow_copies']} | "
-                  f"evictions {s['num_evictions']}")
-        if len(bm.host.blocks) + len(bm.disk.blocks):   # the tiers below: their traffic
-            second += (f" | written down {s['num_offloaded_blocks']} | loaded "
-                       f"{s['num_loaded_blocks']} (host {s['host_prefix_cache_hits']} tokens, "
-                       f"disk {s['disk_prefix_cache_hits']})")
-        return wrapped(first, width) + wrapped(second, width)
+        usage = f"({bm.num_used_blocks()}/{bm.num_blocks} blocks)"
+        first = [f"step {report.step}", f"usage {s['kv_cache_usage_perc']:.0%} {usage}",
+                 f"cached {len(bm.device.cached_block_ids)}",
+                 f"occupancy {s['token_occupancy_perc']:.0%}",
+                 f"hit rate {s['prefix_cache_hit_rate']:.0%}"]
+        second = [f"preemptions {s['num_preemptions']}",
+                  f"swapped out {s['num_swapped_out_blocks']} in {s['num_swapped_in_blocks']}",
+                  f"copies {s['num_cow_copies']}", f"evictions {s['num_evictions']}"]
+        if len(bm.host.blocks) + len(bm.disk.blocks):   # the tiers below: their traffic, in blocks
+            host, disk = (s[f"{t}_prefix_cache_hits"] // bm.block_size for t in ("host", "disk"))
+            second += [f"written down {s['num_offloaded_blocks']}",
+                       f"loaded {s['num_loaded_blocks']} blocks (host {host}, disk {disk})"]
+        return phrases(first, width) + phrases(second, width)
 
-    def batch(self, batch, width):   # prefill chunks beside decodes (postprocess: seqs past them)
-        ran = [(s, s.num_computed_tokens - n, n) for _, s, n in batch.entries]   # (seq, start, n)
+    def batch(self, batch, width):   # prefill chunks beside decodes, and the decodes' slots
+        ends = itertools.accumulate(n for _, _, n in batch.entries)   # each entry's last token
+        # (seq, start, n, the slot of its last token); postprocess has moved seqs past them
+        ran = [(s, s.num_computed_tokens - n, n, batch.slot_mapping[end - 1])
+               for (_, s, n), end in zip(batch.entries, ends)]
         parts = [f"seq {s.seq_id} prefill {start}-{start + n - 1} of {s.prefill_until}"
-                 for s, start, n in ran if start < s.prefill_until]
-        decodes = sorted(s.seq_id for s, start, _ in ran if start >= s.prefill_until)
+                 for s, start, n, _ in ran if start < s.prefill_until]
+        decodes = sorted((s.seq_id, slot) for s, start, _, slot in ran if start >= s.prefill_until)
         if decodes:
-            parts.append(f"seqs {_ids(decodes)} decode")
+            parts.append(f"seqs {_ids([seq_id for seq_id, _ in decodes])} decode")
         n = batch.num_tokens
-        return wrapped(f"ran {n} token{'' if n == 1 else 's'}: " + " | ".join(parts), width)
+        text = f"ran {n} token{'' if n == 1 else 's'}: " + " | ".join(parts)
+        slots = f"{text} into slots {', '.join(str(slot) for _, slot in decodes)}"
+        return wrapped(slots if decodes and len(slots) <= width else text, width)   # if it fits
 
     def _cells(self, blocks, seqs, per_cell):   # a cell per per_cell blocks: see the key in pools()
         holders = {}   # block id -> ids of the requests whose tables hold it
@@ -1762,11 +1788,12 @@ class View:
                       for i in range(0, len(cells), n)]   # each row led by its first block's id
             if per_cell > 1:
                 folds.append(f"{pool.name}: {per_cell} blocks a cell")
-        key = ("digit: ref_count in its request's colour (white: several), bold: shared, +: 10 or "
-               "more | ·: cached | .: free | table: *: shared, (+k): k more")
+        key = ["digit: ref_count in its request's colour", "white: several", "bold: shared",
+               "+: 10 or more", "·: cached", ".: free", "table: *: shared, (+k): k more",
+               "host[...]: in the host pool"]
         if folds:
-            key += f" | {', '.join(folds)}: █ all used, ▒ some used, · some cached, . all free"
-        return lines + wrapped(key, width, "dim")
+            key += folds + ["█ all used, ▒ some used, · some cached, . all free"]
+        return lines + phrases(key, width, "dim")
 
     def sequences(self, width, max_rows=None):   # a row per live sequence: K/V, table, text
         bm, sched = self.llm.block_manager, self.llm.scheduler
@@ -1775,10 +1802,12 @@ class View:
         lines = [Text(header, "bold")]
         shown = rows[:max_rows]   # None: all
         for request, seq in shown:
-            pool = (bm.host if request.status is RequestStatus.SWAPPED else bm.device).blocks
+            pool = bm.host if request.status is RequestStatus.SWAPPED else bm.device
+            where = "" if pool is bm.device else pool.name   # a table into the host: host[...]
+            table = where + table_text(pool.blocks, seq.block_table, 26 - len(where))
             line = Text(f"{seq.seq_id:>5} {seq.request_id:>4}", HOLDER_COLOURS[seq.request_id % 8])
             line.append(f"  {request.status.value:<8} {seq.num_written_tokens:>4}/{len(seq):<4}  "
-                        f"{table_text(pool, seq.block_table, 26):<26} ")
+                        f"{table:<26} ")
             room = max(0, width - len(line))
             tail = seq.token_ids[-room:] if room else []
             line.append(printable(self.llm._detokenize(tail) or " ".join(map(str, tail)))[-room:])
@@ -1920,6 +1949,9 @@ if __name__ == "__main__":
     p.add_argument("--preemption-mode", choices=["recompute", "swap", "auto"], help="see README")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     p.add_argument("--max-num-batched-tokens", type=int, help="tokens a step computes at most")
+    p.add_argument("--watermark-blocks", type=int,
+                   help="blocks a new prompt must leave free while others run (default: 1%% of "
+                        "the pool)")
     args = p.parse_args()
     if args.svg is not None and not writable(args.svg):
         p.error(f"--svg {args.svg!r}: not a file this program can write (a folder? no such one?)")
@@ -1929,6 +1961,8 @@ if __name__ == "__main__":
         p.error("--delay and --step pause the view: give --live or --trace with them")
     if args.svg_step is not None and not (args.svg and args.svg_step >= 1):
         p.error(f"--svg-step {args.svg_step}: give a step >= 1, and --svg")
+    if args.watermark_blocks is not None and args.watermark_blocks < 0:
+        p.error(f"argument --watermark-blocks: must be >= 0, got {args.watermark_blocks}")
     kwargs = dict(demo_pool(args.demo, args.block_size), block_size=args.block_size,
                   enable_prefix_caching=not args.no_prefix_caching)
     optional = ("num_blocks", "num_cpu_blocks", "num_disk_blocks", "disk_path", "preemption_mode",
@@ -1939,6 +1973,8 @@ if __name__ == "__main__":
         loading = Console(stderr=True).status("loading the model") if args.live else None
         with loading or contextlib.nullcontext():
             llm = LLM(args.model, device=args.device, **kwargs)
+        if args.watermark_blocks is not None:   # (Scheduler's watermark: a fraction of the pool)
+            llm.scheduler.watermark_blocks = args.watermark_blocks
         seconds, view = run_demo(llm, args.demo, args.live, args.trace, args.delay, args.svg,
                                  args.svg_step, args.step)
     except ValueError as e:   # bad input: nothing ran

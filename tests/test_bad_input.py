@@ -99,6 +99,7 @@ BAD_COMMAND_LINES = [   # each printed a traceback, or failed only after the run
     ["--num-blocks", "1000000000"], ["--block-size", str(2 ** 40)],
     ["--svg", "."], ["--svg", "/proc/view.svg"], ["--trace", "--delay", "1e10"],
     ["--disk-path", "kv.bin"],   # the default demo has no disk tier: the path would do nothing
+    ["--watermark-blocks", "-1"],
 ]
 
 

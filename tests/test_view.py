@@ -36,6 +36,15 @@ def expand_table(text):
     return (tail, 0, []) if not hidden else (head, hidden, tail)
 
 
+def expand_ids(text):
+    """'0-2, 5' (the event log's runs) -> [0, 1, 2, 5]."""
+    ids = []
+    for part in text.split(", "):
+        first, _, last = part.partition("-")
+        ids += range(int(first), int(last or first) + 1)
+    return ids
+
+
 def check_frame(text, llm, report):
     """Parse one drawn frame and hold every figure in it to the engine at this step."""
     bm, stats = llm.block_manager, report.stats
@@ -48,15 +57,16 @@ def check_frame(text, llm, report):
                      f"{stats['token_occupancy_perc']:.0%}"[:-1],
                      f"{stats['prefix_cache_hit_rate']:.0%}"[:-1])
     second = re.match(r"preemptions (\d+) \| swapped out (\d+) in (\d+) \| copies (\d+) \| "
-                      r"evictions (\d+)(?: \| written down (\d+) \| loaded (\d+) \(host (\d+) "
-                      r"tokens, disk (\d+)\))?", lines[1]).groups()
+                      r"evictions (\d+)(?: \| written down (\d+) \| loaded (\d+) blocks \(host "
+                      r"(\d+), disk (\d+)\))?", lines[1]).groups()
     tiers = len(bm.host.blocks) + len(bm.disk.blocks) > 0
     assert (second[5] is not None) == tiers
     assert tuple(int(x) for x in second if x is not None) == (
         stats["num_preemptions"], stats["num_swapped_out_blocks"], stats["num_swapped_in_blocks"],
         stats["num_cow_copies"], stats["num_evictions"]) + (
-        stats["num_offloaded_blocks"], stats["num_loaded_blocks"], stats["host_prefix_cache_hits"],
-        stats["disk_prefix_cache_hits"]) * tiers
+        stats["num_offloaded_blocks"], stats["num_loaded_blocks"],   # all in blocks
+        stats["host_prefix_cache_hits"] // bm.block_size,
+        stats["disk_prefix_cache_hits"] // bm.block_size) * tiers
     # what the step ran: each prefill chunk's positions, the decodes
     pool_top = next(i for i, line in enumerate(lines) if line.startswith("device "))
     ran = " ".join(lines[2:pool_top])
@@ -65,6 +75,18 @@ def check_frame(text, llm, report):
         if start < seq.prefill_until:
             assert f"seq {seq.seq_id} prefill {start}-{start + n - 1} of {seq.prefill_until}" in ran
     assert ran.startswith(f"ran {report.batch.num_tokens} token")
+    # the decodes' slots, by seq id: where each wrote its last token's K/V (slot_mapping)
+    wrote = {}
+    for _, seq, n in report.batch.entries:
+        position = seq.num_computed_tokens - 1
+        if position >= seq.prefill_until and seq.block_table:   # a decode whose table is still up
+            block = seq.block_table[position // bm.block_size]
+            wrote[seq.seq_id] = block * bm.block_size + position % bm.block_size
+    into = re.search(r"seqs? ([\d, -]+) decode into slots ([\d, ]+)$", ran)
+    assert into or not wrote   # at 200 columns the slots always fit
+    if into:
+        shown = dict(zip(expand_ids(into[1]), (int(x) for x in into[2].split(", "))))
+        assert all(shown[seq_id] == slot for seq_id, slot in wrote.items())
     # the pools: every block's cell, each pool's rows led by its name, then the first block's id
     legend = next(i for i, line in enumerate(lines) if line.startswith("digit:"))
     shown, pool = {"device": {}, "host": {}, "disk": {}}, None
@@ -79,7 +101,7 @@ def check_frame(text, llm, report):
     live = {s.seq_id: (r, s) for q in (sched.running, sched.swapped, sched.waiting)
             for r in q for s in r.seqs}
     header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("seq  req"))
-    rows = [re.match(r"\s*(\d+)\s+(\d+)\s+(\w+)\s+(\d+)/(\d+)\s+(\[[^\]]*\])", line)
+    rows = [re.match(r"\s*(\d+)\s+(\d+)\s+(\w+)\s+(\d+)/(\d+)\s+((?:host)?\[[^\]]*\])", line)
             for line in lines[header + 1:]]
     rows = [row.groups() for row in rows if row]
     assert sorted(int(row[0]) for row in rows) == sorted(live)
@@ -87,9 +109,11 @@ def check_frame(text, llm, report):
         request, seq = live[int(seq_id)]
         assert (int(request_id), state) == (request.request_id, request.status.value)
         assert (int(written), int(length)) == (seq.num_written_tokens, len(seq))
-        pool = bm.host.blocks if request.status is RequestStatus.SWAPPED else bm.device.blocks
+        swapped = request.status is RequestStatus.SWAPPED
+        pool = bm.host.blocks if swapped else bm.device.blocks
+        assert table.startswith("host[") == swapped   # a table into the host pool says so
         want = [(b, "*" if pool[b].ref_count > 1 else "") for b in seq.block_table]
-        head, hidden, tail = expand_table(table)
+        head, hidden, tail = expand_table(table.removeprefix("host"))
         assert head + tail == want[:len(head)] + want[len(want) - len(tail):]
         assert len(head) + hidden + len(tail) == len(want) and len(table) <= 26
     # the events of this step, in their words (a wrapped one continues 7 columns in)
@@ -265,8 +289,87 @@ def test_watermark_demo_keeps_a_request_out_that_would_fit():
     assert not any(e.kind == "preempt" for r, _, _ in reports for e in r.events)
 
 
-def trace(demo):
-    command = [sys.executable, "nanopaged.py", "--model", "random:tiny", "--demo", demo, "--trace"]
+def test_the_trace_tells_loads_and_write_downs_in_the_order_their_copies_are_made():
+    """Each step's load and write-down events name their copies in the order the engine queued
+    them: a block is evicted before another is loaded into it, and a host block is read by its
+    load before a write-down reuses it (never the other way round, which reads as circular)."""
+    for name in ("tiers", "mix", "preempt"):
+        llm = checked(LLM("random:tiny", block_size=4, **demo_pool(name, 4)))
+        queued, told = [], []
+        make_copies = llm.copy_blocks
+
+        def copy_blocks():   # the step's queue, as the engine makes it
+            queued.append([(a.name, b, c.name, d) for a, b, c, d in llm.block_manager.copies])
+            make_copies()
+
+        def tell(report):
+            told.append([(e.tier.name, e.block_ids[0], (e.to_tier or llm.block_manager.device).name,
+                          e.to_ids[0]) for e in report.events if e.kind in ("load", "write down")])
+
+        llm.copy_blocks = copy_blocks
+        llm.on_step.append(tell)
+        run_arrivals(llm, demo_arrivals(name, demo_text(llm)))
+        for copies, events in zip(queued, told):
+            assert [c for c in copies if c in events] == events
+        if name == "tiers":
+            kinds = {kind for events in told for _, _, kind, _ in events}
+            assert sum(map(len, told)) > 20 and kinds == {"device", "host", "disk"}
+
+
+def test_the_trace_gives_the_cost_rules_figures_where_it_decides():
+    """Under preemption_mode='auto' a preempt event says why (the copy against the recompute,
+    or no room in the host pool), and a load its copy against its recompute: the figures agree
+    with the choice made."""
+    llm = checked(LLM("random:tiny", block_size=4, **dict(demo_pool("preempt", 4),
+                                                          preemption_mode="auto")))
+    events = []
+    llm.on_step.append(lambda report: events.extend(report.events))
+    run_arrivals(llm, demo_arrivals("preempt", demo_text(llm)))
+    llm = checked(LLM("random:tiny", block_size=4, **demo_pool("tiers", 4)))
+    llm.on_step.append(lambda report: events.extend(report.events))
+    run_arrivals(llm, demo_arrivals("tiers", demo_text(llm)))
+    number = r"([\d.e-]+) ms"
+    preempts = [e for e in events if e.kind == "preempt"]
+    loads = [e for e in events if e.kind == "load"]
+    assert preempts and loads
+    for e in preempts:
+        figures = re.search(rf"copy 2 x \d+ blocks {number}, recompute \d+ tokens {number}\)$",
+                            e.words())
+        assert figures or e.words().endswith("(no room for its blocks in the host pool)")
+        if figures:
+            swap, recompute = map(float, figures.groups())
+            assert e.details["mode"] == ("swap" if swap < recompute else "recompute")
+    for e in loads:
+        copy, recompute = map(float, re.search(rf"copy {number} < recompute {number}\)$",
+                                               e.words()).groups())
+        assert copy < recompute
+
+
+def test_watermark_blocks_on_the_command_line_sets_the_watermark():
+    """--watermark-blocks 0: the watermark demo's second request is not held back; it runs in
+    the last free blocks, and the first one's next block preempts it."""
+    out = trace("watermark", "--watermark-blocks", "0")
+    assert "the watermark keeps" not in out and "preempted by" in out
+    assert "the watermark keeps 1 free" in trace("watermark")
+
+
+@pytest.mark.parametrize("width", range(64, 161))
+def test_the_key_is_never_wrapped_inside_a_phrase(width):
+    """The pools' key at any width: each phrase whole on one row, rows broken between phrases."""
+    llm = LLM("random:tiny", block_size=4, num_blocks=3000, num_cpu_blocks=8)   # folded cells
+    view = View(llm, live=False, console=Console(file=io.StringIO(), width=width))
+    rows = [row.plain for row in view.pools(width, max_rows=4)]
+    key = rows[next(i for i, row in enumerate(rows) if row.startswith("digit:")):]
+    phrases = " ".join(row.strip() for row in key).split(" | ")
+    assert "host[...]: in the host pool" in phrases and any("blocks a cell" in p for p in phrases)
+    assert all(len(row) <= width for row in key)
+    for phrase in phrases:
+        assert any(phrase in row for row in key), f"{phrase!r} is cut at {width} columns"
+
+
+def trace(demo, *argv):
+    command = [sys.executable, "nanopaged.py", "--model", "random:tiny", "--demo", demo, "--trace",
+               *argv]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True).stdout
 
 
@@ -311,8 +414,11 @@ def test_delay_pauses_longer_on_steps_with_events(monkeypatch):
 
 
 def test_trace_repeats_exactly():
-    """Two runs of the default demo's trace print the same text, character for character."""
-    assert trace("mix") == trace("mix")
+    """Two runs of the default demo's trace print the same text, character for character, but
+    for the cost rule's measured milliseconds."""
+    def masked(text):
+        return re.sub(r"[\d.e-]+ ms", "N ms", text)
+    assert masked(trace("mix")) == masked(trace("mix"))
 
 
 def svg_of(tmp_path, *argv):
