@@ -31,6 +31,9 @@ class Rule:
     def worth_loading(self, tier):
         return self.worth[tier.name]
 
+    def load_figures(self, tier):   # what a load event says of the rule
+        return f"{tier.name} worth loading"
+
 
 class BlockManagerMachine(RuleBasedStateMachine):
     def __init__(self):

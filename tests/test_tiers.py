@@ -206,6 +206,9 @@ class Worth:
     def worth_loading(self, tier):
         return self.worth[tier.name]
 
+    def load_figures(self, tier):   # what a load event says of the rule
+        return f"{tier.name} worth loading"
+
 
 def test_tiers_not_worth_loading_are_neither_written_down_to_nor_read():
     """When the cost rule says no tier below is worth loading from, an eviction drops the block
