@@ -243,7 +243,8 @@ def multiturn(args):
         rows.append((name, s["num_prefill_tokens_computed"], rates, mean(o.ttft for o in outs),
                      s["num_generated_tokens"] / seconds, chats == want))
     gbps = {t: llm.kv_cache[:, :, 0].nbytes / cost.seconds_per_block[t] / 1e9 for t in tiers}
-    rule = ", ".join(f"{t} {v:.1f} GB/s: {'load' if cost.worth_loading(t) else 'recompute'}"
+    worth = {t: cost.worth_loading(getattr(llm.block_manager, t)) for t in tiers}   # (a Pool)
+    rule = ", ".join(f"{t} {v:.1f} GB/s: {'load' if worth[t] else 'recompute'}"
                      for t, v in gbps.items())
     report("multiturn", f"{num_chats} chats of {num_turns} turns, {num_blocks} device blocks",
            ["tiers", "prefill computed", "hits: device host disk", "mean ttft (s)", "tokens/s",
