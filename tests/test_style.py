@@ -115,3 +115,9 @@ def test_the_blank_line_rule_sees_glued_defs():
     text = ("class A:\n    def f(self):\n        return 1\n    # g's comment\n    def g(self):\n"
             "        return 2\n\n    @property\n    def h(self):\n        return 3\n")
     assert defs_without_a_blank_line(text) == [5]
+
+
+def test_the_readme_is_at_most_400_lines():
+    """The README is read by a class in one go: at most 400 lines (the rest: --help, bench.py)."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        assert len(f.read().splitlines()) <= 400
