@@ -36,6 +36,7 @@ import io
 import itertools
 import math
 import os
+import queue
 import re
 import shutil
 import signal
@@ -304,7 +305,11 @@ class BlockManager:
             block = pool.blocks[pool.cached_block_ids.popitem(last=False)[0]]
             lower = self.tiers[self.tiers.index(pool) + 1:]
             below = next((t for t in lower if t.num_free_blocks and self._worth_loading(t)), None)
-            if below is not None:
+            held = self._lookup(lower, block.hash, block.token_ids, block.parent_prefix_id)
+            if held:   # a tier below holds its copy already (written ahead: section 8)
+                self.events.record("drop", [], [block.block_id], pool, [held[0][1].block_id],
+                                   held[0][0])
+            elif below is not None:
                 dst = self._get_new_block(below)
                 self.copies.append((pool, block.block_id, below, dst.block_id))
                 self._register(below, dst, block.entry)   # after its copy is queued (section 9)
@@ -783,7 +788,8 @@ class LLM:
     def __init__(self, model=None, device=None, dtype=None, block_size=16, num_blocks=None,
                  num_cpu_blocks=0, num_disk_blocks=0, disk_path=None, enable_prefix_caching=True,
                  max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=None,
-                 preemption_mode="auto", seed=0, swap_space=None):
+                 preemption_mode="auto", seed=0, swap_space=None, async_copies=True,
+                 tier_gbps=None):
         # the arguments are checked before the model loads, which takes seconds (section 5)
         check_engine_args(**{k: v for k, v in locals().items() if k != "self"})
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -816,6 +822,10 @@ class LLM:
         self.kv_caches = {"device": self.kv_cache,
                           "host": torch.zeros(host_shape, dtype=self.dtype, pin_memory=cuda),
                           "disk": open_disk_pool(self, disk_path, disk_shape)}   # (section 8)
+        # a block copy between tiers, over a link as slow as tier_gbps says (section 8); with
+        # async_copies the copy engine makes them in the background
+        self.links = Links(self.kv_caches, tier_gbps, bytes_per_block)
+        self.copy_engine = CopyEngine(self) if async_copies else None
         # the cost rule (section 8): each tier's block copy timed now, each step's tokens after it
         cost = CostModel.measure(self, block_size)
         # callables that get every step's StepReport: the cost rule, the view
@@ -913,7 +923,7 @@ class LLM:
         batch = self.scheduler.schedule()
         assert batch.entries, "the scheduler found nothing to run: a request outgrew its bound"
         # 1. the block copies scheduling queued (copy-on-write, swaps, tiers), before any K/V write
-        self.copy_blocks()
+        batch = self.copy_blocks(batch)
         # 2. the batch as tensors (model.Batch), and the sequences whose logits are sampled
         model_batch, to_sample = self._prepare(batch)
         # 3. the model writes every new token's K/V into its slot and returns logits to sample
@@ -940,15 +950,18 @@ class LLM:
                 self.num_generated_tokens += beam_round(self.scheduler, request)
         return batch
 
-    def copy_blocks(self):
+    def copy_blocks(self, batch):
         """Make the queued copies in order, each a block's K and V in all layers, blocking (a host
-        block written from the device may be read for the disk next); made, it leaves the queue."""
+        block written from the device may be read for the disk next); made, it leaves the queue.
+        Returns the batch to run. With async_copies the copy engine makes them in the background
+        instead, and a request whose blocks are still on their way sits the step out (section 8)."""
+        if self.copy_engine:
+            return self.copy_engine.start(self, batch)
         copies = self.block_manager.copies
         while copies:
-            src_tier, src, dst_tier, dst = copies[0]
-            src_kv, dst_kv = self.kv_caches[src_tier.name], self.kv_caches[dst_tier.name]
-            dst_kv[:, :, dst].copy_(src_kv[:, :, src])
+            self.links.copy(*copies[0])
             copies.popleft()
+        return batch
 
     def _prepare(self, batch):
         """ScheduledBatch -> (model.Batch, to_sample: [(request, seq)]). Shapes: see model.Batch."""
@@ -1053,6 +1066,10 @@ ARG_RULES = {
     "length_penalty": (lambda x: is_number(x) and abs(x) <= MAX_LENGTH_PENALTY,   # a finite power
                        f"a number in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}]"),
     "live": (is_bool, "a bool"),
+    "async_copies": (is_bool, "a bool"),
+    "tier_gbps": (lambda x: x is None or isinstance(x, dict) and all(
+        k in ("host", "disk") and is_number(v) and v > 0 for k, v in x.items()),
+                  "None or a dict of GB/s > 0 by tier, such as {'host': 16, 'disk': 2}"),
 }
 
 
@@ -1244,12 +1261,17 @@ EVENT_WORDS = {   # the plain words of each kind of event, for the live view and
     "copy": "seq {seqs} copies shared block {blocks} to block {to} before writing (copy-on-write)",
     "evict": "{tier} block {blocks} is evicted from the prefix cache (cached, held by nobody)",
     "write down": "{tier} block {blocks} evicted, its K/V written down to {to_tier} block {to}",
+    "write ahead": "{tier} block {blocks}, next to be evicted, written down to {to_tier} block "
+                   "{to} ahead (it stays cached)",
+    "drop": "{tier} block {blocks} evicted; its copy, {to_tier} block {to}, stays cached",
     "load": "seq {seqs} finds block {blocks} in the {tier} tier: loaded into block {to}{why}",
     "swap out": "seq {seqs} swapped out: blocks {blocks} to host blocks {to}",
     "swap in": "seq {seqs} swapped in: host blocks {blocks} to blocks {to}",
     "preempt": "seq {seqs} preempted by {mode}: blocks {blocks} taken back{why}",
     "finish": "seq {seqs} finishes ({reason}): blocks {blocks} released",
     "watermark": "seq {seqs} waits: it fits, but the watermark keeps {num_blocks} free for decodes",
+    "copies made": "copies made in the background: {num_copies} (device blocks arrived: {to})",
+    "loading": "seq {seqs} sits this step out (loading): its blocks are still in flight",
 }
 
 @dataclass(frozen=True)
@@ -1286,6 +1308,7 @@ class EventLog:   # what the block manager and the scheduler did, taken after ea
 def engine_stats(llm):   # LLM.stats(): fractions and counts, named as vLLM names them
     bm = llm.block_manager
     used = bm.num_used_blocks()
+    waited = llm.copy_engine.copy_wait_seconds if llm.copy_engine else llm.links.busy_seconds
     return {
         "kv_cache_usage_perc": used / bm.num_blocks,   # cached blocks nobody holds are free
         "token_occupancy_perc": num_stored_tokens(bm) / max(1, used * bm.block_size),
@@ -1300,6 +1323,11 @@ def engine_stats(llm):   # LLM.stats(): fractions and counts, named as vLLM name
             "num_offloaded_blocks", "num_loaded_blocks")},
         "num_prefill_tokens_computed": llm.num_prefill_tokens_computed,
         "num_generated_tokens": llm.num_generated_tokens,
+        # the copies between tiers: seconds the steps waited for one (blocking: all of them),
+        # seconds of copying hidden behind compute (async_copies), bytes over each tier's link
+        "copy_wait_seconds": waited,
+        "copy_hidden_seconds": max(0.0, llm.links.busy_seconds - waited),
+        **{f"{tier}_bytes_moved": llm.links.bytes_moved[tier] for tier in ("host", "disk")},
     }
 
 def num_stored_tokens(bm):   # distinct token slots holding K/V in used blocks: shared ones once
@@ -1343,6 +1371,7 @@ class CostModel:
                     torch.cuda.synchronize(device.device)
                 rounds.append(time.perf_counter() - t0)
             seconds[tier] = min(rounds) / (2 * len(probe)) if probe else math.inf
+            seconds[tier] = max(seconds[tier], llm.links.seconds.get(tier, 0))   # as emulated
         return cls(block_size, seconds)
 
     def observe(self, report):   # a moving average, set by the first step
@@ -1368,6 +1397,160 @@ class CostModel:
         return mode, (f"copy 2 x {num_blocks} blocks {ms(swap_seconds)}, recompute {num_tokens} "
                       f"tokens {ms(recompute_seconds)}")
 
+
+TIERS = ("device", "host", "disk")   # fastest first
+
+class Links:
+    """The tiers' K/V caches and the links between them: copy() moves one block's K and V (all
+    layers). tier_gbps={'host': G, 'disk': G} makes a tier's link to the others that slow, to
+    emulate on any machine what PCIe and NVMe do to a GPU server: a copy is held until
+    bytes / bandwidth have passed (None: the machine's own speed)."""
+
+    def __init__(self, kv_caches, tier_gbps, bytes_per_block):
+        self.kv_caches = kv_caches
+        self.bytes_per_block = bytes_per_block
+        self.seconds = {t: bytes_per_block / (g * 1e9) for t, g in (tier_gbps or {}).items()}
+        self.bytes_moved = Counter()   # the lower tier of each copy -> bytes over its link
+        self.busy_seconds = 0.0        # copying, in all
+
+    def copy(self, src_tier, src, dst_tier, dst):
+        t0 = time.perf_counter()
+        self.kv_caches[dst_tier.name][:, :, dst].copy_(self.kv_caches[src_tier.name][:, :, src])
+        link = max(src_tier.name, dst_tier.name, key=TIERS.index)   # the lower tier's link
+        self.bytes_moved[link] += self.bytes_per_block
+        time.sleep(max(0.0, self.seconds.get(link, 0.0) - (time.perf_counter() - t0)))
+        self.busy_seconds += time.perf_counter() - t0
+
+class CopyEngine:
+    """async_copies=True: the copies between tiers are made on a worker thread (torch's copies
+    let go of the GIL; on CUDA on a side stream, after an event of the step that queued them),
+    one at a time in the order they were queued, while the steps compute. A request with a block
+    in flight sits steps out (loading) until its copies are made; copy-on-write is made at once,
+    on the step's path. A step whose every request is loading waits for the first."""
+
+    def __init__(self, llm):
+        self.queue = queue.SimpleQueue()   # (ticket, copy, ready event) in order; None: stop
+        self.tickets = itertools.count(1)  # each queued copy's number
+        self.queued = 0        # the last ticket queued
+        self.made = 0          # every copy up to this ticket is made (or failed)
+        self.in_flight = {}    # (tier name, block id) -> the last ticket that reads or writes it
+        self.started = deque()   # (ticket, copy) queued, until the trace tells it made
+        self.failed = None     # (the exception, the copies never made) once a copy raised
+        self.done = threading.Condition()
+        self.stream = torch.cuda.Stream(llm.device) if llm.device.type == "cuda" else None
+        self.copy_wait_seconds = 0.0   # the steps' time waiting for a copy
+        self.thread = threading.Thread(target=self.work, args=(llm.links,), daemon=True)
+        self.thread.start()
+        weakref.finalize(llm, self.stop)   # with the engine, or at exit
+
+    def stop(self):   # the worker ends, its copies made (not cut off mid-copy by the exit)
+        self.queue.put(None)
+        if threading.current_thread() is not self.thread:
+            self.thread.join()
+
+    def work(self, links):   # the worker thread
+        while (item := self.queue.get()) is not None:
+            ticket, copy, ready = item
+            try:
+                with torch.cuda.stream(self.stream):   # (None: no stream, on a CPU)
+                    if ready is not None:
+                        self.stream.wait_event(ready)   # the K/V the steps before wrote
+                    if self.failed is None and copy is not None:   # after a failure: none
+                        links.copy(*copy)
+            except BaseException as e:   # (the main thread raises it at its next step)
+                self.failed = (e, [])
+            if self.failed is not None and copy is not None:
+                self.failed[1].append(copy)
+            with self.done:
+                self.made = ticket
+                self.done.notify_all()
+
+    def start(self, llm, batch):
+        """Queue the step's copies, then return batch without the requests still loading."""
+        ready = torch.cuda.Event() if self.stream else None
+        if ready is not None:
+            ready.record()
+        copies, events = llm.block_manager.copies, llm.events
+        if self.queued <= self.made:   # the link is idle: loads never wait behind these
+            write_ahead(llm.block_manager, int(WRITE_AHEAD * llm.block_manager.num_blocks))
+        done, made = self.made, []   # (the worker moves made on meanwhile)
+        while self.started and self.started[0][0] <= done:
+            made.append(self.started.popleft()[1])
+        self.in_flight = {key: t for key, t in self.in_flight.items() if t > done}
+        if made:
+            arrived = [dst for _, _, dst_tier, dst in made if dst_tier.name == "device"]
+            events.record("copies made", to_ids=arrived, num_copies=len(made))
+        while copies:
+            src_tier, src, dst_tier, dst = copies[0]
+            if src_tier is dst_tier:   # copy-on-write: after what is in flight on its blocks
+                self.wait(max(self.in_flight.get((t.name, b), 0) for t, b in
+                              [(src_tier, src), (dst_tier, dst)]))
+                llm.links.copy(*copies[0])
+            else:   # (a Ctrl-C anywhere here: the undo's flush waits for whatever was queued)
+                ticket = next(self.tickets)
+                self.in_flight[src_tier.name, src] = self.in_flight[dst_tier.name, dst] = ticket
+                self.queue.put((ticket, copies[0], ready))
+                self.queued = ticket
+                self.started.append((ticket, copies[0]))
+            copies.popleft()
+        self.raise_failure()
+        requests = {e.request: self.last_ticket(e.request) for e in batch.entries}
+        if requests and all(t > self.made for t in requests.values()):   # nobody can run:
+            self.wait(min(requests.values()))   # until the first of them can
+        for request, ticket in requests.items():
+            if ticket > self.made:
+                batch.remove(request)
+                events.record("loading", [s.seq_id for s in request.seqs])
+        return batch
+
+    def loading(self, request):   # (the view) are its blocks still in flight?
+        return self.last_ticket(request) > self.made
+
+    def blocks_in_flight(self, tier):   # (the view) tier's blocks a copy still reads or writes
+        return {b for (t, b), ticket in self.in_flight.items()
+                if t == tier.name and ticket > self.made}
+
+    def last_ticket(self, request):   # the last copy its device blocks wait for (0: none)
+        blocks = [("device", b) for s in request.seqs for b in s.block_table]
+        return max((self.in_flight.get(key, 0) for key in blocks), default=0)
+
+    def wait(self, ticket):   # until the copies up to ticket are made: the step waits
+        t0 = time.perf_counter()
+        with self.done:
+            self.done.wait_for(lambda: self.made >= ticket)
+        self.copy_wait_seconds += time.perf_counter() - t0
+
+    def finish(self):   # (Undo) every copy queued made or failed; returns the blocks never made
+        flush = next(self.tickets)   # after all that were queued, a copy of nothing
+        self.queue.put((flush, None, None))
+        self.wait(flush)
+        self.in_flight, self.started = {}, deque()
+        unmade, self.failed = (self.failed or (None, []))[1], None
+        return {(dst_tier, dst) for _, _, dst_tier, dst in unmade}
+
+    def raise_failure(self):
+        if self.failed is not None:
+            raise RuntimeError(f"a block copy failed: {self.failed[0]!r}") from self.failed[0]
+
+WRITE_AHEAD = 0.25   # async_copies: the part of the device pool kept ready to evict without a copy
+WRITE_AHEAD_PER_STEP = 4   # blocks at most, a step whose start finds the link idle
+
+def write_ahead(bm, num_blocks):
+    """Write-through ahead of eviction: the first num_blocks cached device blocks in eviction
+    order, less the free ones, get a copy in the tier below (in the background), and stay cached;
+    evicting one later makes no copy, so a step never waits for one to reuse its block."""
+    lower = [t for t in bm.tiers[1:] if t.num_free_blocks and bm._worth_loading(t)]
+    next_out = itertools.islice(bm.device.cached_block_ids,
+                                max(0, num_blocks - len(bm.device.free_block_ids)))
+    blocks = [bm.device.blocks[b] for b in next_out]
+    blocks = [b for b in blocks if not bm._lookup(lower, b.hash, b.token_ids, b.parent_prefix_id)]
+    for block in blocks[:WRITE_AHEAD_PER_STEP] if lower else ():
+        dst = bm._get_new_block(lower[0])
+        bm.copies.append((bm.device, block.block_id, lower[0], dst.block_id))
+        bm._register(lower[0], dst, block.entry)
+        bm._cache(lower[0], dst)
+        bm.num_offloaded_blocks += 1
+        bm.events.record("write ahead", [], [block.block_id], bm.device, [dst.block_id], lower[0])
 
 def ms(seconds):   # a measured time, as the trace prints it
     return f"{1e3 * seconds:.3g} ms"
@@ -1451,6 +1634,8 @@ class Undo:
     def restore(self):   # (called by recovery(), which holds Ctrl-C until it is done)
         sched, bm = self.llm.scheduler, self.llm.block_manager
         unmade = {(tier, block_id) for _, _, tier, block_id in bm.copies}   # never copied to
+        if self.llm.copy_engine:   # the copies in flight: made first, or failed (never trusted)
+            unmade |= self.llm.copy_engine.finish()
         for obj, state in self.states:
             vars(obj).update(state)
         for generator, state in self.random_states:
@@ -1756,7 +1941,7 @@ class View:
         slots = f"{text} into slots {', '.join(str(slot) for _, slot in decodes)}"
         return wrapped(slots if decodes and len(slots) <= width else text, width)   # if it fits
 
-    def _cells(self, blocks, seqs, per_cell):   # a cell per per_cell blocks: see the key in pools()
+    def _cells(self, blocks, seqs, per_cell, flying=()):   # a cell per per_cell blocks: see pools()
         holders = {}   # block id -> ids of the requests whose tables hold it
         for seq in seqs:
             for block_id in seq.block_table:
@@ -1765,7 +1950,9 @@ class View:
         for i in range(0, len(blocks), per_cell):
             group = blocks[i:i + per_cell]
             used = [b for b in group if b.ref_count]
-            if not used:
+            if per_cell == 1 and group[0].block_id in flying:   # a copy reads or writes it
+                cells.append("~", "bold cyan")
+            elif not used:
                 cells.append("·" if any(b.hash is not None for b in group) else ".", "dim")
             elif per_cell > 1:
                 cells.append("█" if len(used) == len(group) else "▒", "bold")
@@ -1784,7 +1971,9 @@ class View:
         for pool in tiers:
             rows = max(1, max_rows // len(tiers)) if max_rows else math.inf   # None: all blocks
             per_cell = max(1, math.ceil(len(pool.blocks) / (n * rows)))
-            cells = self._cells(pool.blocks, pool.seqs.values(), per_cell)
+            engine = self.llm.copy_engine
+            flying = engine.blocks_in_flight(pool) if engine else ()
+            cells = self._cells(pool.blocks, pool.seqs.values(), per_cell, flying)
             lines += [Text(f"{pool.name if i == 0 else '':<6}{i * per_cell:>5} ") + cells[i:i + n]
                       for i in range(0, len(cells), n)]   # each row led by its first block's id
             if per_cell > 1:
@@ -1792,6 +1981,7 @@ class View:
         key = ["digit: ref_count in its request's colour", "white: several", "bold: shared",
                "+: 10 or more", "·: cached", ".: free", "table: *: shared, (+k): k more",
                "host[...]: in the host pool"]
+        key += ["~: in flight (its copy not made yet)"] if self.llm.copy_engine else []
         if folds:
             key += folds + ["█ all used, ▒ some used, · some cached, . all free"]
         return lines + phrases(key, width, "dim")
@@ -1807,7 +1997,9 @@ class View:
             where = "" if pool is bm.device else pool.name   # a table into the host: host[...]
             table = where + table_text(pool.blocks, seq.block_table, 26 - len(where))
             line = Text(f"{seq.seq_id:>5} {seq.request_id:>4}", HOLDER_COLOURS[seq.request_id % 8])
-            line.append(f"  {request.status.value:<8} {seq.num_written_tokens:>4}/{len(seq):<4}  "
+            state = "loading" if self.llm.copy_engine and self.llm.copy_engine.loading(
+                request) else request.status.value   # (its blocks in flight: section 8)
+            line.append(f"  {state:<8} {seq.num_written_tokens:>4}/{len(seq):<4}  "
                         f"{table:<26} ")
             room = max(0, width - len(line))
             tail = seq.token_ids[-room:] if room else []
@@ -1852,6 +2044,7 @@ DEMOS = {   # name: what it shows
     "chunked": "chunked prefill: a long prompt computed over steps, 8 tokens a step with a decode",
     "watermark": "a request that would fit waits: it would leave no block for the next decode",
     "tiers": "two questions come back: their blocks, written down to host and disk, load back up",
+    "overlap": "the tiers demo over slow links, copies in the background: others run meanwhile",
 }
 # each demo's pool, of 4-token blocks: small enough for a screen to show every block
 DEMO_POOLS = {"mix": dict(num_blocks=24, num_cpu_blocks=12, preemption_mode="swap"),
@@ -1860,6 +2053,10 @@ DEMO_POOLS = {"mix": dict(num_blocks=24, num_cpu_blocks=12, preemption_mode="swa
               "evict": dict(num_blocks=12), "watermark": dict(num_blocks=100),   # a watermark of 1
               "tiers": dict(num_blocks=20, num_cpu_blocks=4, num_disk_blocks=12),
               **{name: dict(num_blocks=64) for name in ("prefix", "beam", "batching")}}
+# links of 5 and 2 MB/s: a 4-token block of the default model (184 KB) takes about a step's time
+# to move on a CPU, as 2,000 tokens of history over PCIe and NVMe take on a GPU server
+DEMO_POOLS["overlap"] = dict(DEMO_POOLS["tiers"], async_copies=True,
+                             tier_gbps={"host": 0.005, "disk": 0.002})
 
 def demo_arrivals(name, text):
     """A demo's requests, [(step, prompts, params)]: each queued once the engine has run `step`
@@ -1886,7 +2083,7 @@ def demo_arrivals(name, text):
         # two 28-token questions, three requests that push their blocks down, the two again
         "tiers": [(0, [text(q, 28) for q in ask[:2]], greedy), (12, ask[2:], greedy),
                   (24, [text(q, 28) + text(" Say more.") for q in ask[:2]], greedy)],
-    }[name]
+    }[name.replace("overlap", "tiers")]
 
 def demo_text(llm):   # text(s, length): token ids (random weights: a made-up id a word)
     def text(s, length=None):
@@ -1898,7 +2095,8 @@ def demo_text(llm):   # text(s, length): token ids (random weights: a made-up id
 
 def demo_pool(name, block_size):   # DEMO_POOLS counts 4-token blocks: smaller ones get more
     scale = max(1, 4 // max(1, block_size))   # a block_size < 1 is refused by check_args
-    return {k: v * scale if k.startswith("num_") else v for k, v in DEMO_POOLS[name].items()}
+    pool = {k: v * scale if k.startswith("num_") else v for k, v in DEMO_POOLS[name].items()}
+    return {"async_copies": False, **pool}   # blocking but in overlap: each trace repeats exactly
 
 def run_demo(llm, name, live=False, trace=False, delay=0.0, svg=None, svg_step=None, wait=False):
     """Run a demo (every request checked first), print its outputs; return its seconds, its View."""
@@ -1950,6 +2148,8 @@ if __name__ == "__main__":
     p.add_argument("--preemption-mode", choices=["recompute", "swap", "auto"], help="see README")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     p.add_argument("--max-num-batched-tokens", type=int, help="tokens a step computes at most")
+    p.add_argument("--async-copies", action="store_true",
+                   help="make the copies between tiers in the background (as the overlap demo)")
     p.add_argument("--watermark-blocks", type=int,
                    help="blocks a new prompt must leave free while others run (default: 1%% of "
                         "the pool)")
@@ -1969,6 +2169,7 @@ if __name__ == "__main__":
     optional = ("num_blocks", "num_cpu_blocks", "num_disk_blocks", "disk_path", "preemption_mode",
                 "max_num_batched_tokens")
     kwargs.update({k: getattr(args, k) for k in optional if getattr(args, k) is not None})
+    kwargs["async_copies"] = kwargs["async_copies"] or args.async_copies
     llm = None
     try:
         loading = Console(stderr=True).status("loading the model") if args.live else None
@@ -1984,6 +2185,8 @@ if __name__ == "__main__":
         print(f"interrupted after step {llm.num_steps if llm else 0}")
         sys.exit(130)
     for k, v in llm.stats().items():
+        if args.trace and k.endswith("_seconds"):
+            continue   # a trace repeats exactly: it prints no timings
         print(f"{k:28} {v:.3f}" if isinstance(v, float) else f"{k:28} {v}")
     if not args.trace:   # a trace repeats exactly: it prints no timings
         drawing = f", {view.draw_seconds / seconds:.1%} of it drawing the view" if args.live else ""

@@ -4,6 +4,7 @@ preempted by swap or by recompute, a request queued alongside) leaves the engine
 interrupted call's requests are gone with their blocks, the queued one finishes with the tokens
 of a run that was never interrupted, and the same LLM then gives a fresh engine's outputs."""
 import inspect
+import linecache
 import os
 import signal
 import sys
@@ -172,6 +173,23 @@ CASES = [("swap", "generate"), ("recompute", "generate"), ("swap", "beam_search"
 @pytest.mark.parametrize("mode, kind", CASES)
 def test_sigint_at_every_statement_leaves_the_engine_whole(mode, kind):
     check_every_point(mode, kind, points(mode, kind), KeyboardInterrupt)
+
+
+def test_sigint_with_copies_in_flight_over_a_slow_link_leaves_the_engine_whole(monkeypatch):
+    """The same with the swaps made in the background over a host link of 0.2 MB/s (a block takes
+    10 ms, several steps): SIGINTs come while copies are in flight, and at every fourth statement
+    of the copy engine's start(), among them the one that holds a loading request back."""
+    monkeypatch.setitem(ENGINE, "tier_gbps", {"host": 0.0002})
+    where_to = points("swap", "generate")
+    start = lines_of(nanopaged.CopyEngine.start)
+    hold_back = next(line for line in start if "batch.remove(request)" in linecache_line(line))
+    assert hold_back in {line for line, _ in where_to}, "no request was ever held back"
+    in_start = [p for p in where_to if p[0] in start]
+    check_every_point("swap", "generate", in_start[::4] + where_to[::8], KeyboardInterrupt)
+
+
+def linecache_line(line):   # the text of a line of nanopaged.py
+    return linecache.getline(nanopaged.__file__, line)
 
 
 def test_an_error_at_every_third_statement_of_a_step_leaves_the_engine_whole():

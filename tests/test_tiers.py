@@ -400,31 +400,34 @@ class Tripwire(dict):
         return super().__getitem__(tier)
 
 
-def test_ctrl_c_between_copies_of_loads_and_write_downs_leaves_the_engine_whole():
+@pytest.mark.parametrize("async_copies", [False, True])
+def test_ctrl_c_between_copies_of_loads_and_write_downs_leaves_the_engine_whole(async_copies):
     """A Ctrl-C after some of a step's queued loads and write-downs are made, before the rest,
     leaves every invariant holding, and the same prompts then give an uninterrupted run's
-    replies (no block whose copy was not made is found in the cache)."""
+    replies (no block whose copy was not made is found in the cache). With async_copies the
+    copy that raises is the copy engine's, in the background: the step raises it, the copies
+    after it are never made, and none of their blocks is trusted."""
     def engine():
         return checked(LLM("random:tiny", block_size=BS, num_blocks=16, num_cpu_blocks=8,
-                           num_disk_blocks=64))
+                           num_disk_blocks=64, async_copies=async_copies))
 
     want, _ = chat(engine())
     llm = engine()
-    llm.kv_caches = Tripwire(llm.kv_caches)
+    llm.links.kv_caches = Tripwire(llm.links.kv_caches)
     copy_blocks, seen = llm.copy_blocks, []
 
-    def copy_blocks_tripped():   # armed once: the first step that loads and writes down
+    def copy_blocks_tripped(batch):   # armed once: the first step that loads and writes down
         copies = llm.block_manager.copies
         kinds = {(src.name == "device", dst.name == "device") for src, _, dst, _ in copies}
         if not seen and {(False, True), (True, False)} <= kinds:
             seen.append(list(llm.block_manager.copies))
-            llm.kv_caches.left = len(seen[0]) + 1   # in the middle: half the copies made
-        copy_blocks()
+            llm.links.kv_caches.left = len(seen[0]) + 1   # in the middle: half the copies made
+        return copy_blocks(batch)
 
     llm.copy_blocks = copy_blocks_tripped
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises((KeyboardInterrupt, RuntimeError) if async_copies else KeyboardInterrupt):
         chat(llm)
-    assert seen and len(seen[0]) >= 3
+    assert seen and len(seen[0]) >= 2   # one copy made, the next not
     llm.block_manager.check_invariants()
     assert_no_block_held(llm)   # the interrupted call's request is gone with its blocks
     s = llm.stats()   # the undone step's hits are undone in every count

@@ -1,0 +1,221 @@
+"""The copy engine (async_copies=True): copies between the tiers made in the background while the
+steps compute. Random block-manager operations with copies finishing at moments the test does
+not choose never let the model read or write a block a copy still reads or writes; the engine
+gives a blocking run's tokens over slow links, with a request loading while others run."""
+import threading
+from unittest import mock
+
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import invariant, rule
+
+import nanopaged
+from conftest import assert_no_block_held, checked
+from nanopaged import LLM, CopyEngine, SamplingParams, ScheduledBatch, ScheduledSeq
+from test_properties import BLOCK_SIZE, BlockManagerMachine
+
+
+class RecordingQueue(nanopaged.queue.Queue):
+    """The copy engine's queue, keeping every copy put in it, in order: what was queued."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies = []
+
+    def put(self, item):
+        if item is not None and item[1] is not None:   # not the stop, nor a flush
+            self.copies.append(item[1])
+        super().put(item)
+
+
+class GatedLinks:
+    """Links over the token model of K/V (tier -> (block, offset) -> token): a copy moves tokens.
+    Each copy waits for the gate, at most a few ms, so copies finish at moments of their own."""
+
+    def __init__(self, kv):
+        self.kv = kv
+        self.gate = threading.Event()
+        self.made = []   # the background copies made, in order (copy-on-write's are not)
+
+    def copy(self, src_pool, src, dst_pool, dst):
+        self.gate.wait(0.003)
+        for o in range(BLOCK_SIZE):
+            if (src, o) in self.kv[src_pool.name]:
+                self.kv[dst_pool.name][(dst, o)] = self.kv[src_pool.name][(src, o)]
+            else:
+                self.kv[dst_pool.name].pop((dst, o), None)
+        if src_pool is not dst_pool:
+            self.made.append((src_pool, src, dst_pool, dst))
+
+
+class Holder:
+    """What CopyEngine reads of an LLM: device, links; start() reads block_manager and events."""
+
+
+class Request:   # what start() reads of a request: its sequences
+    def __init__(self, seqs):
+        self.seqs = seqs
+
+
+class CopyEngineMachine(BlockManagerMachine):
+    """BlockManagerMachine's operations, the copies made by a real CopyEngine in the background:
+    the model's writes (and reads) go through start(), as a step's do."""
+
+    def __init__(self):
+        super().__init__()
+        self.links = GatedLinks(self.kv)
+        self.holder = Holder()
+        self.holder.device, self.holder.links = torch.device("cpu"), self.links
+        self.holder.block_manager, self.holder.events = self.bm, self.bm.events
+        with mock.patch.object(nanopaged.queue, "SimpleQueue", RecordingQueue):
+            self.engine = CopyEngine(self.holder)
+
+    def pending(self, tier):
+        """Blocks of tier a queued copy reads or writes and has not yet: the truth, not the
+        engine's bookkeeping (the worker makes the copies in the order they were queued)."""
+        queued = self.engine.queue.copies[len(self.links.made):]
+        return {b for src, s, dst, d in queued for pool, b in ((src, s), (dst, d))
+                if pool.name == tier}
+
+    draining = False   # teardown: each start() waits for every copy
+
+    def make_copies(self):   # queued to the copy engine, as at a step's start
+        self.engine.start(self.holder, ScheduledBatch(10**6))
+        if self.draining:
+            self.every_copy_finishes()
+
+    def write(self, seq, start):
+        """A step that runs seq (and a bystander): the engine holds seq back while its blocks are
+        in flight; once they have arrived its tokens are written, as the model would."""
+        others = [s for s in self.live if s is not seq and s.block_table]
+        entries = [ScheduledSeq(Request([s]), s, 1) for s in [seq] + others[:1]]
+        batch = self.engine.start(self.holder, ScheduledBatch(10**6, list(entries)))
+        for entry in batch.entries:   # what runs reads and writes no block in flight
+            flying = self.pending("device") & set(entry.seq.block_table)
+            assert not flying, f"seq {entry.seq.seq_id} runs on blocks in flight: {flying}"
+        if entries[0] not in batch.entries:   # loading: a later step runs it, once they arrive
+            self.engine.wait(self.engine.last_ticket(entries[0].request))
+            self.holds_back += 1
+        assert not self.pending("device") & set(seq.block_table), "written in flight"
+        super().write(seq, start)   # (its make_copies finds nothing new queued)
+
+    @rule(open_gate=st.booleans())
+    def the_link_changes_pace(self, open_gate):
+        (self.links.gate.set if open_gate else self.links.gate.clear)()
+
+    @rule()
+    def every_copy_finishes(self):
+        self.engine.wait(self.engine.queued)
+
+    @invariant()
+    def every_sequence_reads_its_own_tokens(self):
+        """Once its copies are made: each sequence reads its own tokens through its table."""
+        for tier, seqs in (("device", self.live), ("host", [s for g in self.swapped for s in g])):
+            flying = self.pending(tier)
+            for seq in (s for s in seqs if not flying & set(s.block_table)):
+                for p in range(seq.num_computed_tokens):
+                    slot = (seq.block_table[p // BLOCK_SIZE], p % BLOCK_SIZE)
+                    got = self.kv[tier].get(slot)
+                    assert got == seq.token_ids[p], f"seq {seq.seq_id} position {p} reads {got}"
+
+    @invariant()
+    def every_registered_block_holds_its_tokens(self):
+        for pool in self.bm.tiers:
+            flying = self.pending(pool.name)
+            for block in pool.blocks:
+                if block.hash is not None and block.block_id not in flying:
+                    got = tuple(self.kv[pool.name].get((block.block_id, o))
+                                for o in range(BLOCK_SIZE))
+                    assert got == block.token_ids, f"{pool.name} block {block.block_id}: {got}"
+
+    holds_back = 0
+
+    def teardown(self):
+        self.draining = True   # then every sequence and block is checked, none in flight
+        self.every_copy_finishes()
+        BlockManagerMachine.every_sequence_reads_its_own_tokens(self)
+        BlockManagerMachine.every_registered_block_holds_its_tokens(self)
+        super().teardown()
+        self.engine.stop()
+
+
+CopyEngineMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30,
+                                               deadline=None)
+TestCopyEngineProperties = CopyEngineMachine.TestCase
+
+
+def test_the_machine_reaches_a_request_held_back_while_its_blocks_are_in_flight():
+    """The random operations above do reach the hold-back: a sequence whose loaded blocks are in
+    flight sits out while a bystander runs (a fixed sequence, the link slow: it cannot pass by
+    luck), and its tokens are right once they arrive."""
+    m = CopyEngineMachine()
+
+    def drop(seq):
+        m.bm.free(seq)
+        m.live.remove(seq)
+
+    m.allocate(0, 12, [1])   # a prefix, computed, then freed: cached
+    drop(m.live[0])
+    m.allocate(1, 4, [1])   # the bystander, holding 2 blocks
+    fillers = [[500 + 20 * j + t for t in range(17)] for j in range(3)]
+    for filler in fillers:   # push the prefix down to the host
+        m.allocate(0, 0, filler)
+        drop(m.live[-1])
+    assert m.bm.host.hash_to_block_ids, "nothing was written down"
+    m.every_copy_finishes()
+    loaded, held = m.bm.num_loaded_blocks, m.holds_back
+    m.allocate(0, 12, [1])   # found below: loaded, in flight while the bystander runs
+    assert m.bm.num_loaded_blocks > loaded and m.holds_back == held + 1
+    m.every_sequence_reads_its_own_tokens()
+    m.teardown()
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def chats(llm, turns=3):
+    """Four chats at once, turn after turn; between turns other prompts push them down the tiers."""
+    convs = [[(7 * i + j) % 250 + 1 for j in range(24)] for i in range(4)]
+    for turn in range(turns):
+        outs = llm.generate(convs, GREEDY)
+        convs = [c + list(o.outputs[0].token_ids) + [3, 4, 5, 6] for c, o in zip(convs, outs)]
+        llm.generate([[200 + turn + t] * 30 for t in range(4)], GREEDY)
+    return convs
+
+
+def test_async_copies_give_the_tokens_of_blocking_ones_over_slow_links():
+    """A multi-turn workload over links of 0.5 and 0.25 MB/s (a block takes 4 and 8 ms): async
+    copies give blocking copies' tokens, invariants hold after every step, no block is held at
+    the end, and a request sits steps out (loading) while others run."""
+    runs, reports = {}, []
+    for async_copies in (False, True):
+        llm = checked(LLM("random:tiny", block_size=4, num_blocks=40, num_cpu_blocks=24,
+                          num_disk_blocks=48, async_copies=async_copies,
+                          tier_gbps={"host": 0.0005, "disk": 0.00025}))
+        llm.on_step.append(reports.append)
+        runs[async_copies] = chats(llm)
+        assert_no_block_held(llm)
+        assert llm.stats()["num_loaded_blocks"] > 0
+    assert runs[True] == runs[False]
+    loading_beside_others = [r.step for r in reports if r.batch.entries
+                             and any(e.kind == "loading" for e in r.events)]
+    assert loading_beside_others, "no request ever loaded while another ran"
+
+
+def test_a_slow_link_holds_each_copy_and_the_cost_rule_reads_it():
+    """tier_gbps makes a copy take bytes / bandwidth at least; the cost rule reads the link it
+    timed at start-up: over a disk link of 1 KB/s (seconds a block) it recomputes instead, and
+    nothing is written down to the disk or loaded from it."""
+    llm = checked(LLM("random:tiny", block_size=4, num_blocks=12, num_cpu_blocks=4,
+                      num_disk_blocks=16, tier_gbps={"host": 0.001, "disk": 1e-6}))
+    bytes_per_block = llm.links.bytes_per_block
+    cost = llm.block_manager.cost
+    assert cost.seconds_per_block["host"] >= bytes_per_block / 1e6   # 0.001 GB/s
+    assert cost.seconds_per_block["disk"] >= bytes_per_block / 1e3
+    for turn in range(3):
+        llm.generate([[(7 * turn + t) % 250 + 1 for t in range(30)] for _ in range(2)], GREEDY)
+    assert not cost.worth_loading(llm.block_manager.disk) and cost.worth_loading(llm.block_manager.host)
+    s = llm.stats()
+    assert s["disk_prefix_cache_hits"] == 0 == s["disk_bytes_moved"] and s["host_bytes_moved"] > 0
+    assert_no_block_held(llm)
