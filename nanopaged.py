@@ -32,11 +32,9 @@ import argparse
 import bisect
 import contextlib
 import copy
-import io
 import itertools
 import math
 import os
-import re
 import shutil
 import signal
 import sys
@@ -1645,17 +1643,13 @@ class View:
     """Draws the engine after every step (an on_step callback); live: in place, on the terminal's
     screen (the last frame stays), else a trace. `with View(llm): llm.generate(...)`."""
 
-    def __init__(self, llm, live=True, console=None, delay=0.0, svg=None, svg_step=None,
-                 wait=False):
+    def __init__(self, llm, live=True, console=None, delay=0.0, wait=False):
         self.llm, self.live = llm, live
         # a trace is plain text of a fixed width, so that runs with the same seed print the same
         self.console = console or (Console(highlight=False) if live else
                                    Console(highlight=False, color_system=None, width=80))
         self.delay = delay          # seconds to pause after a step, and as many per event it shows
         self.wait = wait            # wait for Enter after every step
-        self.svg = svg              # keep one frame to save as an SVG image (save_svg)
-        self.svg_step = svg_step    # the step to save; None: the first with the most events
-        self.svg_frame = (-1, None)   # (events, frame)
         self.events = deque(maxlen=1000)   # recent events, for the live view
         self.rich_live = None    # while live: rich's Live
         self.last_frame = None   # and the frame it shows
@@ -1679,9 +1673,6 @@ class View:
         t0 = time.perf_counter()
         story = report.events
         self.events.extend(story)
-        most = self.svg_step is None and len(story) > self.svg_frame[0]
-        if self.svg and (most or report.step == self.svg_step):
-            self.svg_frame = (len(story), self.frame(report, story))
         if self.rich_live is not None:
             self.last_frame = self.frame(report, story, self.console.height)
             self.rich_live.update(self.last_frame, refresh=True)
@@ -1817,24 +1808,6 @@ class View:
             lines.append(Text(f"  ... and {len(rows) - len(shown)} more sequences", "dim"))
         return lines
 
-SVG_CHAR_WIDTH = 20 * 0.61   # rich's SVG: 20-pixel characters of Fira Code's aspect ratio
-SVG_RUN = re.compile(r'x="([\d.]+)" (y="[\d.]+") textLength="([\d.]+)"([^>]*)>'
-                     r'((?:&#160;)*)(.*?)((?:&#160;)*)</text>')
-
-def save_svg(frame, path, width):
-    """The frame as an SVG image, each run of text at its column: rsvg-convert drops a run's
-    leading and trailing spaces (&#160;), so they go into its x and length instead."""
-    recorder = Console(record=True, width=width, file=io.StringIO())
-    recorder.print(frame)
-
-    def aligned(m):
-        lead, trail = len(m[5]) // 6, len(m[7]) // 6
-        x = float(m[1]) + lead * SVG_CHAR_WIDTH
-        length = float(m[3]) - (lead + trail) * SVG_CHAR_WIDTH
-        return f'x="{x:g}" {m[2]} textLength="{length:g}"{m[4]}>{m[6]}</text>'
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(SVG_RUN.sub(aligned, recorder.export_svg(title="nanopaged")))
-
 # ----------------------------------------------------------------------------------------------
 # 12. Command line: demos that provoke each mechanism, watched live or traced
 
@@ -1900,13 +1873,12 @@ def demo_pool(name, block_size):   # DEMO_POOLS counts 4-token blocks: smaller o
     scale = max(1, 4 // max(1, block_size))   # a block_size < 1 is refused by check_args
     return {k: v * scale if k.startswith("num_") else v for k, v in DEMO_POOLS[name].items()}
 
-def run_demo(llm, name, live=False, trace=False, delay=0.0, svg=None, svg_step=None, wait=False):
+def run_demo(llm, name, live=False, trace=False, delay=0.0, wait=False):
     """Run a demo (every request checked first), print its outputs; return its seconds, its View."""
     arrivals = demo_arrivals(name, demo_text(llm))
     for _, prompts, params in arrivals:
         checked_requests(llm, prompts, params, type(params))
-    quiet = None if live or trace else Console(file=io.StringIO(), width=80)   # an SVG alone
-    view = View(llm, live, quiet, delay, svg, svg_step, wait) if live or trace or svg else None
+    view = View(llm, live, None, delay, wait) if live or trace else None
     t0 = time.perf_counter()
     request_ids = []
     with view or contextlib.nullcontext():
@@ -1935,8 +1907,6 @@ if __name__ == "__main__":
     p.add_argument("--demo", default="mix", choices=DEMOS, help="which demo to run (see below)")
     p.add_argument("--live", action="store_true", help="redraw the pool and tables every step")
     p.add_argument("--trace", action="store_true", help="print a plain snapshot every step")
-    p.add_argument("--svg", default=None, help="save one step's view to this file, as an image")
-    p.add_argument("--svg-step", type=int, help="the step --svg saves (default: most events)")
     p.add_argument("--delay", type=float, default=0.0,
                    help="seconds (at most 60) to pause after each step, and per event it shows")
     p.add_argument("--step", action="store_true", help="wait for Enter after each step")
@@ -1954,14 +1924,10 @@ if __name__ == "__main__":
                    help="blocks a new prompt must leave free while others run (default: 1%% of "
                         "the pool)")
     args = p.parse_args()
-    if args.svg is not None and not writable(args.svg):
-        p.error(f"--svg {args.svg!r}: not a file this program can write (a folder? no such one?)")
     if not (math.isfinite(args.delay) and 0 <= args.delay <= MAX_DELAY):
         p.error(f"argument --delay: must be seconds in [0, {MAX_DELAY}], got {args.delay}")
     if (args.delay or args.step) and not (args.live or args.trace):
         p.error("--delay and --step pause the view: give --live or --trace with them")
-    if args.svg_step is not None and not (args.svg and args.svg_step >= 1):
-        p.error(f"--svg-step {args.svg_step}: give a step >= 1, and --svg")
     if args.watermark_blocks is not None and args.watermark_blocks < 0:
         p.error(f"argument --watermark-blocks: must be >= 0, got {args.watermark_blocks}")
     kwargs = dict(demo_pool(args.demo, args.block_size), block_size=args.block_size,
@@ -1976,8 +1942,7 @@ if __name__ == "__main__":
             llm = LLM(args.model, device=args.device, **kwargs)
         if args.watermark_blocks is not None:   # (Scheduler's watermark: a fraction of the pool)
             llm.scheduler.watermark_blocks = args.watermark_blocks
-        seconds, view = run_demo(llm, args.demo, args.live, args.trace, args.delay, args.svg,
-                                 args.svg_step, args.step)
+        seconds, view = run_demo(llm, args.demo, args.live, args.trace, args.delay, args.step)
     except ValueError as e:   # bad input: nothing ran
         p.error(str(e))
     except KeyboardInterrupt:   # Ctrl-C: the view has given the terminal back
@@ -1989,11 +1954,3 @@ if __name__ == "__main__":
         drawing = f", {view.draw_seconds / seconds:.1%} of it drawing the view" if args.live else ""
         print(f"{llm.num_generated_tokens / seconds:.1f} tokens/s generated in {seconds:.1f} s"
               + drawing)
-    if args.svg:   # saved last: what the run printed stays printed whatever becomes of it
-        if view.svg_frame[1] is None:
-            p.error(f"--svg-step {args.svg_step}: the run ended at step {llm.num_steps}; "
-                    "no image saved")
-        try:
-            save_svg(view.svg_frame[1], args.svg, view.console.width)
-        except OSError as e:
-            p.error(f"--svg {args.svg!r}: {e.strerror}")
