@@ -1,6 +1,6 @@
 """
-bench.py: the claims of paging, measured on this machine beside baselines, in six experiments
-(memory, throughput, prefix, sharing, preemption, multiturn): a table and a conclusion.
+bench.py: the claims of paging, measured on this machine beside baselines, in five experiments
+(memory, throughput, prefix, preemption, multiturn): a table and a conclusion.
 
     python bench.py                    every experiment, the default model
     python bench.py --quick            smaller workloads, a few minutes (what fresh-check runs)
@@ -20,7 +20,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 
 import nanopaged
 from model import load_hf
-from nanopaged import LLM, BeamSearchParams, SamplingParams
+from nanopaged import LLM, SamplingParams
 
 console = Console(highlight=False)
 progress = Progress(console=console, transient=True)
@@ -67,18 +67,13 @@ def run(llm, label, prompts, params, live=False):
     seen = []
 
     def watch(step):
-        tables = [s.block_table for r in llm.scheduler.running for s in r.seqs]
         seen.append(dict(step.stats, used_blocks=llm.block_manager.num_used_blocks(),
-                         running_requests=len(llm.scheduler.running),
-                         distinct_blocks=len({b for t in tables for b in t}),
-                         unshared_blocks=sum(map(len, tables))))
+                         running_requests=len(llm.scheduler.running)))
         progress.update(task, completed=step.stats["num_generated_tokens"])
 
     llm.on_step.append(watch)
     t0 = time.perf_counter()
-    beams = isinstance(params[0], BeamSearchParams)
-    outs = (llm.beam_search if beams else llm.generate)(prompts, params, live)
-    outs = [[c.token_ids for c in (o.sequences if beams else o.outputs)] for o in outs]
+    outs = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, live)]
     seconds = time.perf_counter() - t0
     progress.remove_task(task)
     llm.on_step.remove(watch)   # watch refers to llm: left in, the engine would never be freed
@@ -177,22 +172,6 @@ def prefix(args):
            f"With prefix caching the engine computes {1 - rows[0][1] / rows[1][1]:.0%} fewer "
            f"prompt tokens and the first token comes {rows[1][3] / rows[0][3]:.1f}x sooner.")
 
-def sharing(args):
-    """One prompt, block_size 16: peak blocks held against the same tables' blocks, none shared."""
-    max_tokens = 16 if args.quick else 64
-    samples = SamplingParams(temperature=1.0, n=4, seed=0, max_tokens=max_tokens, ignore_eos=True)
-    rows = []
-    for name, params in (("sampling, n=4", samples), ("beam search, width 4",
-                                                     BeamSearchParams(4, max_tokens))):
-        llm = LLM(args.model, device=args.device, num_blocks=512)
-        _, _, seen = run(llm, f"sharing, {name}", [corpus(llm)[:100]], [params])
-        held, unshared = (max(s[k] for s in seen) for k in ("distinct_blocks", "unshared_blocks"))
-        rows.append((name, held, unshared, held / unshared, seen[-1]["num_cow_copies"]))
-    report("sharing", f"one 100-token prompt, {max_tokens} new tokens, block_size 16",
-           ["workload", "blocks held", "unshared", "share of unshared", "copies"], rows,
-           f"Beams that share their prefix hold {rows[1][3]:.0%} of the blocks they would hold "
-           f"unshared; four samples hold {rows[0][3]:.0%}, sharing only the prompt.")
-
 def preemption(args):
     """The mixed workload (--quick: half) in a third of its peak need, in every preemption mode."""
     llm = LLM(args.model, device=args.device, num_blocks=args.num_requests * MAX_LEN // 16)
@@ -255,7 +234,7 @@ def multiturn(args):
            f"recompute: {1e3 * cost.block_size * cost.seconds_per_token:.0f} ms at most). On a "
            f"CPU the device is host memory too; the disk file may sit in the page cache.")
 
-EXPERIMENTS = {f.__name__: f for f in (memory, throughput, prefix, sharing, preemption, multiturn)}
+EXPERIMENTS = {f.__name__: f for f in (memory, throughput, prefix, preemption, multiturn)}
 
 if __name__ == "__main__":
     p = nanopaged.ArgumentParser(description="nanopaged benchmark: the claims of paging, measured")
