@@ -61,7 +61,7 @@ def mixed_workload(llm, num_requests, seed=0, sample_every=0):
                                      max_tokens=rng.randint(8, 128), ignore_eos=True, seed=i))
     return prompts, params
 
-def run(llm, label, prompts, params, live=False):
+def run(llm, label, prompts, params):
     """Requests through the engine: (each output's token ids, seconds, the pool after each step)."""
     task = progress.add_task(label, total=sum(p.max_tokens * p.n for p in params))
     seen = []
@@ -73,7 +73,7 @@ def run(llm, label, prompts, params, live=False):
 
     llm.on_step.append(watch)
     t0 = time.perf_counter()
-    outs = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, live)]
+    outs = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
     seconds = time.perf_counter() - t0
     progress.remove_task(task)
     llm.on_step.remove(watch)   # watch refers to llm: left in, the engine would never be freed
@@ -132,7 +132,7 @@ def throughput(args):
     num_blocks = args.num_requests * MAX_LEN // 16   # room for every request at once
     llm = LLM(args.model, device=args.device, num_blocks=num_blocks)
     prompts, params = mixed_workload(llm, args.num_requests)
-    ours, seconds, _ = run(llm, "throughput, nanopaged", prompts, params, live=args.live)
+    ours, seconds, _ = run(llm, "throughput, nanopaged", prompts, params)
     hf = load_hf(args.model, llm.seed)[0].to(llm.device)   # the weights nanopaged runs
     num_tokens = sum(p.max_tokens for p in params)
     rows = [("nanopaged", seconds, num_tokens / seconds, 1.0, 1.0)]
@@ -244,10 +244,7 @@ if __name__ == "__main__":
     p.add_argument("--model", help="None: SmolLM2-135M-Instruct; a directory; random:<preset>")
     p.add_argument("--random-weights", action="store_true", help="random:smollm2-135m (no files)")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--live", action="store_true", help="watch the pool in the throughput run")
     args = p.parse_args()
-    if args.live and args.only not in (None, "throughput"):
-        p.error(f"--live watches the throughput experiment, and --only runs {args.only}")
     if args.random_weights and args.model is not None:
         p.error("--random-weights is --model random:smollm2-135m: give one of them")
     args.model = "random:smollm2-135m" if args.random_weights else args.model

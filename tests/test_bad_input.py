@@ -158,7 +158,6 @@ BAD_BENCH_COMMAND_LINES = [   # each ran an experiment first, then a traceback o
     ["--model", "nonsense"], ["--model", "random:nonsense"],
     ["--json", os.path.join("no", "such", "folder", "bench.json")],
     ["--json", "."], ["--json", ""], ["--random-weights", "--model", "random:tiny"],
-    ["--live"],   # --only memory: the live view watches the throughput run alone
 ]
 if not torch.cuda.is_available():
     BAD_BENCH_COMMAND_LINES.append(["--device", "cuda"])
