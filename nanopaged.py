@@ -1650,7 +1650,6 @@ class View:
                                    Console(highlight=False, color_system=None, width=80))
         self.delay = delay          # seconds to pause after a step, and as many per event it shows
         self.wait = wait            # wait for Enter after every step
-        self.events = deque(maxlen=1000)   # recent events, for the live view
         self.rich_live = None    # while live: rich's Live
         self.last_frame = None   # and the frame it shows
         self.draw_seconds = 0.0     # time spent drawing: the view's own cost
@@ -1672,7 +1671,6 @@ class View:
     def __call__(self, report):
         t0 = time.perf_counter()
         story = report.events
-        self.events.extend(story)
         if self.rich_live is not None:
             self.last_frame = self.frame(report, story, self.console.height)
             self.rich_live.update(self.last_frame, refresh=True)
@@ -1686,7 +1684,7 @@ class View:
 
     def frame(self, report, events, height=None):
         """The engine after a step, in rows that fit the width. With a height (a live terminal)
-        the events take the rows left: this step's that fit, a count of the rest, then older."""
+        the events take the rows left: this step's that fit, then a count of the rest."""
         width = self.console.width
         top = self.metrics(report, width) + self.batch(report.batch, width)
         top += self.pools(width, max(3, (height - 14) * 2 // 3) if height else None)
@@ -1704,11 +1702,6 @@ class View:
                 shown.append(Text(f"  ... and {len(story) - i} more events in step {report.step}"))
                 break
             shown += event_rows
-        for e in reversed([e for e in self.events if e.step < report.step]):
-            event_rows = wrapped(f"{e.step:>5}  {e.words()}", width, "dim", indent=7)
-            if len(shown) + len(event_rows) > rows:
-                break
-            shown = event_rows + shown
         return Group(*top, *seqs, *shown)
 
     def too_small(self, report, events, width, height, rows_needed):   # what fits: a note

@@ -171,7 +171,6 @@ def frames_of(llm, arrivals, width, height):
     frames = []
 
     def draw(report):
-        view(report)   # keeps the events it has seen, as when entered
         story = report.events
         lines = console.render_lines(view.frame(report, story, height), pad=False)
         frames.append((report, ["".join(s.text for s in line) for line in lines]))
