@@ -1016,7 +1016,7 @@ def is_bool(x):
 MIN_TEMPERATURE = 0.01   # logits / temperature overflow float32 near 1e-38; 0 means greedy
 MIN_TOP_P = 1e-6         # top_p is compared with float32 probabilities, where 1e-300 is 0
 MAX_LENGTH_PENALTY = 10  # 131072 ** 10 is about 1e51: no overflow, no division by zero
-MAX_DELAY = 60           # --delay at most, in seconds a step (and per event): --step waits longer
+MAX_DELAY = 60           # --delay at most, in seconds a step (and per event)
 FLOATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # every parameter of LLM, SamplingParams and BeamSearchParams checked on its own: (is a value
@@ -1643,13 +1643,12 @@ class View:
     """Draws the engine after every step (an on_step callback); live: in place, on the terminal's
     screen (the last frame stays), else a trace. `with View(llm): llm.generate(...)`."""
 
-    def __init__(self, llm, live=True, console=None, delay=0.0, wait=False):
+    def __init__(self, llm, live=True, console=None, delay=0.0):
         self.llm, self.live = llm, live
         # a trace is plain text of a fixed width, so that runs with the same seed print the same
         self.console = console or (Console(highlight=False) if live else
                                    Console(highlight=False, color_system=None, width=80))
         self.delay = delay          # seconds to pause after a step, and as many per event it shows
-        self.wait = wait            # wait for Enter after every step
         self.rich_live = None    # while live: rich's Live
         self.last_frame = None   # and the frame it shows
         self.draw_seconds = 0.0     # time spent drawing: the view's own cost
@@ -1679,8 +1678,6 @@ class View:
             self.console.print(self.frame(report, story))
         self.draw_seconds += time.perf_counter() - t0
         time.sleep(self.delay * (1 + len(story)))
-        if self.wait:
-            sys.stdin.readline()   # Enter: the next step
 
     def frame(self, report, events, height=None):
         """The engine after a step, in rows that fit the width. With a height (a live terminal)
@@ -1866,12 +1863,12 @@ def demo_pool(name, block_size):   # DEMO_POOLS counts 4-token blocks: smaller o
     scale = max(1, 4 // max(1, block_size))   # a block_size < 1 is refused by check_args
     return {k: v * scale if k.startswith("num_") else v for k, v in DEMO_POOLS[name].items()}
 
-def run_demo(llm, name, live=False, trace=False, delay=0.0, wait=False):
+def run_demo(llm, name, live=False, trace=False, delay=0.0):
     """Run a demo (every request checked first), print its outputs; return its seconds, its View."""
     arrivals = demo_arrivals(name, demo_text(llm))
     for _, prompts, params in arrivals:
         checked_requests(llm, prompts, params, type(params))
-    view = View(llm, live, None, delay, wait) if live or trace else None
+    view = View(llm, live, None, delay) if live or trace else None
     t0 = time.perf_counter()
     request_ids = []
     with view or contextlib.nullcontext():
@@ -1902,7 +1899,6 @@ if __name__ == "__main__":
     p.add_argument("--trace", action="store_true", help="print a plain snapshot every step")
     p.add_argument("--delay", type=float, default=0.0,
                    help="seconds (at most 60) to pause after each step, and per event it shows")
-    p.add_argument("--step", action="store_true", help="wait for Enter after each step")
     p.add_argument("--model", help="None: SmolLM2-135M-Instruct; a directory; random:<preset>")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--block-size", type=int, default=4, help="tokens per KV cache block")
@@ -1919,8 +1915,8 @@ if __name__ == "__main__":
     args = p.parse_args()
     if not (math.isfinite(args.delay) and 0 <= args.delay <= MAX_DELAY):
         p.error(f"argument --delay: must be seconds in [0, {MAX_DELAY}], got {args.delay}")
-    if (args.delay or args.step) and not (args.live or args.trace):
-        p.error("--delay and --step pause the view: give --live or --trace with them")
+    if args.delay and not (args.live or args.trace):
+        p.error("--delay pauses the view: give --live or --trace with it")
     if args.watermark_blocks is not None and args.watermark_blocks < 0:
         p.error(f"argument --watermark-blocks: must be >= 0, got {args.watermark_blocks}")
     kwargs = dict(demo_pool(args.demo, args.block_size), block_size=args.block_size,
@@ -1935,7 +1931,7 @@ if __name__ == "__main__":
             llm = LLM(args.model, device=args.device, **kwargs)
         if args.watermark_blocks is not None:   # (Scheduler's watermark: a fraction of the pool)
             llm.scheduler.watermark_blocks = args.watermark_blocks
-        seconds, view = run_demo(llm, args.demo, args.live, args.trace, args.delay, args.step)
+        seconds, view = run_demo(llm, args.demo, args.live, args.trace, args.delay)
     except ValueError as e:   # bad input: nothing ran
         p.error(str(e))
     except KeyboardInterrupt:   # Ctrl-C: the view has given the terminal back

@@ -387,18 +387,6 @@ def test_batching_trace_shows_a_newcomers_prefill_beside_decodes_in_one_step():
                      r"( into slots [\d, ]+)?$", trace("batching"), re.M)
 
 
-def test_step_waits_for_enter_and_prints_the_same_trace():
-    """--step reads one line (Enter) after each step; the trace is the one without it."""
-    command = [sys.executable, "nanopaged.py", "--model", "random:tiny", "--demo", "fork",
-               "--trace", "--step"]
-    run = subprocess.run(command, cwd=ROOT, input="\n" * 10, capture_output=True, text=True,
-                         timeout=120)
-    assert run.returncode == 0 and run.stdout == trace("fork")
-    starved = subprocess.run(command, cwd=ROOT, input="\n" * 3, capture_output=True, text=True,
-                             timeout=120)   # stdin ends after 3 lines: readline returns at once
-    assert starved.returncode == 0
-
-
 def test_delay_pauses_longer_on_steps_with_events(monkeypatch):
     """--delay S: each step pauses S, and S more for each event it shows."""
     pauses = []
