@@ -1669,28 +1669,27 @@ class View:
 
     def __call__(self, report):
         t0 = time.perf_counter()
-        story = report.events
         if self.rich_live is not None:
-            self.last_frame = self.frame(report, story, self.console.height)
+            self.last_frame = self.frame(report, self.console.height)
             self.rich_live.update(self.last_frame, refresh=True)
         elif not self.live:
             self.console.rule(f"step {report.step}", characters="-")
-            self.console.print(self.frame(report, story))
+            self.console.print(self.frame(report))
         self.draw_seconds += time.perf_counter() - t0
-        time.sleep(self.delay * (1 + len(story)))
+        time.sleep(self.delay * (1 + len(report.events)))
 
-    def frame(self, report, events, height=None):
+    def frame(self, report, height=None):
         """The engine after a step, in rows that fit the width. With a height (a live terminal)
-        the events take the rows left: this step's that fit, then a count of the rest."""
+        the step's events take the rows left: those that fit, then a count of the rest."""
         width = self.console.width
         top = self.metrics(report, width) + self.batch(report.batch, width)
         top += self.pools(width, max(3, (height - 14) * 2 // 3) if height else None)
-        story = [wrapped(f"{e.step:>5}  {e.words()}", width, indent=7) for e in events]
+        story = [wrapped(f"{e.step:>5}  {e.words()}", width, indent=7) for e in report.events]
         if height is None:
             return Group(*top, *self.sequences(width), *itertools.chain(*story))
         room = height - len(top)   # for the sequences (a header, rows, a count) and the events
         if width < MIN_VIEW_WIDTH or room < 4:
-            return self.too_small(report, events, width, height, len(top) + 4)
+            return self.too_small(report, width, height, len(top) + 4)
         seqs = self.sequences(width, max(1, room - 3 - min(sum(map(len, story)), room // 2)))
         rows = room - len(seqs)   # at least 1: the events, or their count
         shown = []
@@ -1701,9 +1700,9 @@ class View:
             shown += event_rows
         return Group(*top, *seqs, *shown)
 
-    def too_small(self, report, events, width, height, rows_needed):   # what fits: a note
-        note = (f"step {report.step}: {len(events)} events. The terminal ({width}x{height}) is too "
-                f"small for the view: it needs {MIN_VIEW_WIDTH} columns and {rows_needed} rows")
+    def too_small(self, report, width, height, rows):   # what fits: a note (rows: it needs)
+        note = (f"step {report.step}: {len(report.events)} events. The terminal ({width}x{height})"
+                f" is too small for the view: it needs {MIN_VIEW_WIDTH} columns and {rows} rows")
         return Group(*wrapped(note, width, indent=0)[:height])
 
     def metrics(self, report, width):   # the pool's fill, then what the memory system did so far

@@ -171,8 +171,7 @@ def frames_of(llm, arrivals, width, height):
     frames = []
 
     def draw(report):
-        story = report.events
-        lines = console.render_lines(view.frame(report, story, height), pad=False)
+        lines = console.render_lines(view.frame(report, height), pad=False)
         frames.append((report, ["".join(s.text for s in line) for line in lines]))
 
     llm.on_step.append(draw)
