@@ -242,12 +242,8 @@ if __name__ == "__main__":
     p.add_argument("--only", choices=EXPERIMENTS, help="run one experiment")
     p.add_argument("--json", help="write every figure to this file")
     p.add_argument("--model", help="None: SmolLM2-135M-Instruct; a directory; random:<preset>")
-    p.add_argument("--random-weights", action="store_true", help="random:smollm2-135m (no files)")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     args = p.parse_args()
-    if args.random_weights and args.model is not None:
-        p.error("--random-weights is --model random:smollm2-135m: give one of them")
-    args.model = "random:smollm2-135m" if args.random_weights else args.model
     if args.json is not None and not nanopaged.writable(args.json):
         p.error(f"--json {args.json!r}: not a file this program can write (a folder? no such one?)")
     try:   # a bad --model or --device: one line, before any experiment (which reuse the model)
