@@ -1,6 +1,6 @@
 """
-bench.py: the claims of paging, measured on this machine beside baselines, in seven experiments
-(memory, throughput, prefix, sharing, preemption, multiturn, overlap): a table and a conclusion.
+bench.py: the claims of paging, measured on this machine beside baselines, in six experiments
+(memory, throughput, prefix, preemption, multiturn, overlap): a table and a conclusion.
 
     python bench.py                    every experiment, the default model
     python bench.py --quick            smaller workloads, a few minutes (what fresh-check runs)
@@ -20,7 +20,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 
 import nanopaged
 from model import load_hf
-from nanopaged import LLM, BeamSearchParams, SamplingParams
+from nanopaged import LLM, SamplingParams
 
 console = Console(highlight=False)
 progress = Progress(console=console, transient=True)
@@ -78,24 +78,19 @@ def chat(llm, num_chats, num_turns, together=False):
                 ttft.append(out.ttft)
     return chats, ttft, time.perf_counter() - t0
 
-def run(llm, label, prompts, params, live=False):
+def run(llm, label, prompts, params):
     """Requests through the engine: (each output's token ids, seconds, the pool after each step)."""
     task = progress.add_task(label, total=sum(p.max_tokens * p.n for p in params))
     seen = []
 
     def watch(step):
-        tables = [s.block_table for r in llm.scheduler.running for s in r.seqs]
         seen.append(dict(step.stats, used_blocks=llm.block_manager.num_used_blocks(),
-                         running_requests=len(llm.scheduler.running),
-                         distinct_blocks=len({b for t in tables for b in t}),
-                         unshared_blocks=sum(map(len, tables))))
+                         running_requests=len(llm.scheduler.running)))
         progress.update(task, completed=step.stats["num_generated_tokens"])
 
     llm.on_step.append(watch)
     t0 = time.perf_counter()
-    beams = isinstance(params[0], BeamSearchParams)
-    outs = (llm.beam_search if beams else llm.generate)(prompts, params, live)
-    outs = [[c.token_ids for c in (o.sequences if beams else o.outputs)] for o in outs]
+    outs = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
     seconds = time.perf_counter() - t0
     progress.remove_task(task)
     llm.on_step.remove(watch)   # watch refers to llm: left in, the engine would never be freed
@@ -154,7 +149,7 @@ def throughput(args):
     num_blocks = args.num_requests * MAX_LEN // 16   # room for every request at once
     llm = LLM(args.model, device=args.device, num_blocks=num_blocks)
     prompts, params = mixed_workload(llm, args.num_requests)
-    ours, seconds, _ = run(llm, "throughput, nanopaged", prompts, params, live=args.live)
+    ours, seconds, _ = run(llm, "throughput, nanopaged", prompts, params)
     hf = load_hf(args.model, llm.seed)[0].to(llm.device)   # the weights nanopaged runs
     num_tokens = sum(p.max_tokens for p in params)
     rows = [("nanopaged", seconds, num_tokens / seconds, 1.0, 1.0)]
@@ -193,22 +188,6 @@ def prefix(args):
            ["prefix caching", "prefill tokens computed", "hit rate", "mean ttft (s)"], rows,
            f"With prefix caching the engine computes {1 - rows[0][1] / rows[1][1]:.0%} fewer "
            f"prompt tokens and the first token comes {rows[1][3] / rows[0][3]:.1f}x sooner.")
-
-def sharing(args):
-    """One prompt, block_size 16: peak blocks held against the same tables' blocks, none shared."""
-    max_tokens = 16 if args.quick else 64
-    samples = SamplingParams(temperature=1.0, n=4, seed=0, max_tokens=max_tokens, ignore_eos=True)
-    rows = []
-    for name, params in (("sampling, n=4", samples), ("beam search, width 4",
-                                                     BeamSearchParams(4, max_tokens))):
-        llm = LLM(args.model, device=args.device, num_blocks=512)
-        _, _, seen = run(llm, f"sharing, {name}", [corpus(llm)[:100]], [params])
-        held, unshared = (max(s[k] for s in seen) for k in ("distinct_blocks", "unshared_blocks"))
-        rows.append((name, held, unshared, held / unshared, seen[-1]["num_cow_copies"]))
-    report("sharing", f"one 100-token prompt, {max_tokens} new tokens, block_size 16",
-           ["workload", "blocks held", "unshared", "share of unshared", "copies"], rows,
-           f"Beams that share their prefix hold {rows[1][3]:.0%} of the blocks they would hold "
-           f"unshared; four samples hold {rows[0][3]:.0%}, sharing only the prompt.")
 
 def preemption(args):
     """The mixed workload (--quick: half) in a third of its peak need, in every preemption mode."""
@@ -300,8 +279,7 @@ def overlap(args):
            "and NVMe beside a GPU, scaled to this machine: a block moves in the time 4 and 12 "
            "tokens take to compute.")
 
-EXPERIMENTS = {f.__name__: f for f in (memory, throughput, prefix, sharing, preemption, multiturn,
-                                       overlap)}
+EXPERIMENTS = {f.__name__: f for f in (memory, throughput, prefix, preemption, multiturn, overlap)}
 
 if __name__ == "__main__":
     p = nanopaged.ArgumentParser(description="nanopaged benchmark: the claims of paging, measured")
@@ -309,15 +287,8 @@ if __name__ == "__main__":
     p.add_argument("--only", choices=EXPERIMENTS, help="run one experiment")
     p.add_argument("--json", help="write every figure to this file")
     p.add_argument("--model", help="None: SmolLM2-135M-Instruct; a directory; random:<preset>")
-    p.add_argument("--random-weights", action="store_true", help="random:smollm2-135m (no files)")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--live", action="store_true", help="watch the pool in the throughput run")
     args = p.parse_args()
-    if args.live and args.only not in (None, "throughput"):
-        p.error(f"--live watches the throughput experiment, and --only runs {args.only}")
-    if args.random_weights and args.model is not None:
-        p.error("--random-weights is --model random:smollm2-135m: give one of them")
-    args.model = "random:smollm2-135m" if args.random_weights else args.model
     if args.json is not None and not nanopaged.writable(args.json):
         p.error(f"--json {args.json!r}: not a file this program can write (a folder? no such one?)")
     try:   # a bad --model or --device: one line, before any experiment (which reuse the model)

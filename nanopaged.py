@@ -32,12 +32,10 @@ import argparse
 import bisect
 import contextlib
 import copy
-import io
 import itertools
 import math
 import os
 import queue
-import re
 import shutil
 import signal
 import sys
@@ -1031,7 +1029,7 @@ def is_bool(x):
 MIN_TEMPERATURE = 0.01   # logits / temperature overflow float32 near 1e-38; 0 means greedy
 MIN_TOP_P = 1e-6         # top_p is compared with float32 probabilities, where 1e-300 is 0
 MAX_LENGTH_PENALTY = 10  # 131072 ** 10 is about 1e51: no overflow, no division by zero
-MAX_DELAY = 60           # --delay at most, in seconds a step (and per event): --step waits longer
+MAX_DELAY = 60           # --delay at most, in seconds a step (and per event)
 FLOATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # every parameter of LLM, SamplingParams and BeamSearchParams checked on its own: (is a value
@@ -1728,9 +1726,9 @@ class recovery:
 
 def abort(llm, request_ids):   # drop a failed call's requests wherever they are, and their blocks
     for request in [llm.requests.pop(r) for r in request_ids if r in llm.requests]:
-        for queue in (llm.scheduler.waiting, llm.scheduler.running, llm.scheduler.swapped):
-            if request in queue:
-                queue.remove(request)
+        for line in (llm.scheduler.waiting, llm.scheduler.running, llm.scheduler.swapped):
+            if request in line:
+                line.remove(request)
         for seq in request.seqs:
             llm.block_manager.free(seq)
         request.status = RequestStatus.FINISHED
@@ -1830,18 +1828,12 @@ class View:
     """Draws the engine after every step (an on_step callback); live: in place, on the terminal's
     screen (the last frame stays), else a trace. `with View(llm): llm.generate(...)`."""
 
-    def __init__(self, llm, live=True, console=None, delay=0.0, svg=None, svg_step=None,
-                 wait=False):
+    def __init__(self, llm, live=True, console=None, delay=0.0):
         self.llm, self.live = llm, live
         # a trace is plain text of a fixed width, so that runs with the same seed print the same
         self.console = console or (Console(highlight=False) if live else
                                    Console(highlight=False, color_system=None, width=80))
         self.delay = delay          # seconds to pause after a step, and as many per event it shows
-        self.wait = wait            # wait for Enter after every step
-        self.svg = svg              # keep one frame to save as an SVG image (save_svg)
-        self.svg_step = svg_step    # the step to save; None: the first with the most events
-        self.svg_frame = (-1, None)   # (events, frame)
-        self.events = deque(maxlen=1000)   # recent events, for the live view
         self.rich_live = None    # while live: rich's Live
         self.last_frame = None   # and the frame it shows
         self.draw_seconds = 0.0     # time spent drawing: the view's own cost
@@ -1862,34 +1854,27 @@ class View:
 
     def __call__(self, report):
         t0 = time.perf_counter()
-        story = report.events
-        self.events.extend(story)
-        most = self.svg_step is None and len(story) > self.svg_frame[0]
-        if self.svg and (most or report.step == self.svg_step):
-            self.svg_frame = (len(story), self.frame(report, story))
         if self.rich_live is not None:
-            self.last_frame = self.frame(report, story, self.console.height)
+            self.last_frame = self.frame(report, self.console.height)
             self.rich_live.update(self.last_frame, refresh=True)
         elif not self.live:
             self.console.rule(f"step {report.step}", characters="-")
-            self.console.print(self.frame(report, story))
+            self.console.print(self.frame(report))
         self.draw_seconds += time.perf_counter() - t0
-        time.sleep(self.delay * (1 + len(story)))
-        if self.wait:
-            sys.stdin.readline()   # Enter: the next step
+        time.sleep(self.delay * (1 + len(report.events)))
 
-    def frame(self, report, events, height=None):
+    def frame(self, report, height=None):
         """The engine after a step, in rows that fit the width. With a height (a live terminal)
-        the events take the rows left: this step's that fit, a count of the rest, then older."""
+        the step's events take the rows left: those that fit, then a count of the rest."""
         width = self.console.width
         top = self.metrics(report, width) + self.batch(report.batch, width)
         top += self.pools(width, max(3, (height - 14) * 2 // 3) if height else None)
-        story = [wrapped(f"{e.step:>5}  {e.words()}", width, indent=7) for e in events]
+        story = [wrapped(f"{e.step:>5}  {e.words()}", width, indent=7) for e in report.events]
         if height is None:
             return Group(*top, *self.sequences(width), *itertools.chain(*story))
         room = height - len(top)   # for the sequences (a header, rows, a count) and the events
         if width < MIN_VIEW_WIDTH or room < 4:
-            return self.too_small(report, events, width, height, len(top) + 4)
+            return self.too_small(report, width, height, len(top) + 4)
         seqs = self.sequences(width, max(1, room - 3 - min(sum(map(len, story)), room // 2)))
         rows = room - len(seqs)   # at least 1: the events, or their count
         shown = []
@@ -1898,16 +1883,11 @@ class View:
                 shown.append(Text(f"  ... and {len(story) - i} more events in step {report.step}"))
                 break
             shown += event_rows
-        for e in reversed([e for e in self.events if e.step < report.step]):
-            event_rows = wrapped(f"{e.step:>5}  {e.words()}", width, "dim", indent=7)
-            if len(shown) + len(event_rows) > rows:
-                break
-            shown = event_rows + shown
         return Group(*top, *seqs, *shown)
 
-    def too_small(self, report, events, width, height, rows_needed):   # what fits: a note
-        note = (f"step {report.step}: {len(events)} events. The terminal ({width}x{height}) is too "
-                f"small for the view: it needs {MIN_VIEW_WIDTH} columns and {rows_needed} rows")
+    def too_small(self, report, width, height, rows):   # what fits: a note (rows: it needs)
+        note = (f"step {report.step}: {len(report.events)} events. The terminal ({width}x{height})"
+                f" is too small for the view: it needs {MIN_VIEW_WIDTH} columns and {rows} rows")
         return Group(*wrapped(note, width, indent=0)[:height])
 
     def metrics(self, report, width):   # the pool's fill, then what the memory system did so far
@@ -2009,24 +1989,6 @@ class View:
             lines.append(Text(f"  ... and {len(rows) - len(shown)} more sequences", "dim"))
         return lines
 
-SVG_CHAR_WIDTH = 20 * 0.61   # rich's SVG: 20-pixel characters of Fira Code's aspect ratio
-SVG_RUN = re.compile(r'x="([\d.]+)" (y="[\d.]+") textLength="([\d.]+)"([^>]*)>'
-                     r'((?:&#160;)*)(.*?)((?:&#160;)*)</text>')
-
-def save_svg(frame, path, width):
-    """The frame as an SVG image, each run of text at its column: rsvg-convert drops a run's
-    leading and trailing spaces (&#160;), so they go into its x and length instead."""
-    recorder = Console(record=True, width=width, file=io.StringIO())
-    recorder.print(frame)
-
-    def aligned(m):
-        lead, trail = len(m[5]) // 6, len(m[7]) // 6
-        x = float(m[1]) + lead * SVG_CHAR_WIDTH
-        length = float(m[3]) - (lead + trail) * SVG_CHAR_WIDTH
-        return f'x="{x:g}" {m[2]} textLength="{length:g}"{m[4]}>{m[6]}</text>'
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(SVG_RUN.sub(aligned, recorder.export_svg(title="nanopaged")))
-
 # ----------------------------------------------------------------------------------------------
 # 12. Command line: demos that provoke each mechanism, watched live or traced
 
@@ -2098,13 +2060,12 @@ def demo_pool(name, block_size):   # DEMO_POOLS counts 4-token blocks: smaller o
     pool = {k: v * scale if k.startswith("num_") else v for k, v in DEMO_POOLS[name].items()}
     return {"async_copies": False, **pool}   # blocking but in overlap: each trace repeats exactly
 
-def run_demo(llm, name, live=False, trace=False, delay=0.0, svg=None, svg_step=None, wait=False):
+def run_demo(llm, name, live=False, trace=False, delay=0.0):
     """Run a demo (every request checked first), print its outputs; return its seconds, its View."""
     arrivals = demo_arrivals(name, demo_text(llm))
     for _, prompts, params in arrivals:
         checked_requests(llm, prompts, params, type(params))
-    quiet = None if live or trace else Console(file=io.StringIO(), width=80)   # an SVG alone
-    view = View(llm, live, quiet, delay, svg, svg_step, wait) if live or trace or svg else None
+    view = View(llm, live, None, delay) if live or trace else None
     t0 = time.perf_counter()
     request_ids = []
     with view or contextlib.nullcontext():
@@ -2133,11 +2094,8 @@ if __name__ == "__main__":
     p.add_argument("--demo", default="mix", choices=DEMOS, help="which demo to run (see below)")
     p.add_argument("--live", action="store_true", help="redraw the pool and tables every step")
     p.add_argument("--trace", action="store_true", help="print a plain snapshot every step")
-    p.add_argument("--svg", default=None, help="save one step's view to this file, as an image")
-    p.add_argument("--svg-step", type=int, help="the step --svg saves (default: most events)")
     p.add_argument("--delay", type=float, default=0.0,
                    help="seconds (at most 60) to pause after each step, and per event it shows")
-    p.add_argument("--step", action="store_true", help="wait for Enter after each step")
     p.add_argument("--model", help="None: SmolLM2-135M-Instruct; a directory; random:<preset>")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--block-size", type=int, default=4, help="tokens per KV cache block")
@@ -2154,14 +2112,10 @@ if __name__ == "__main__":
                    help="blocks a new prompt must leave free while others run (default: 1%% of "
                         "the pool)")
     args = p.parse_args()
-    if args.svg is not None and not writable(args.svg):
-        p.error(f"--svg {args.svg!r}: not a file this program can write (a folder? no such one?)")
     if not (math.isfinite(args.delay) and 0 <= args.delay <= MAX_DELAY):
         p.error(f"argument --delay: must be seconds in [0, {MAX_DELAY}], got {args.delay}")
-    if (args.delay or args.step) and not (args.live or args.trace):
-        p.error("--delay and --step pause the view: give --live or --trace with them")
-    if args.svg_step is not None and not (args.svg and args.svg_step >= 1):
-        p.error(f"--svg-step {args.svg_step}: give a step >= 1, and --svg")
+    if args.delay and not (args.live or args.trace):
+        p.error("--delay pauses the view: give --live or --trace with it")
     if args.watermark_blocks is not None and args.watermark_blocks < 0:
         p.error(f"argument --watermark-blocks: must be >= 0, got {args.watermark_blocks}")
     kwargs = dict(demo_pool(args.demo, args.block_size), block_size=args.block_size,
@@ -2177,8 +2131,7 @@ if __name__ == "__main__":
             llm = LLM(args.model, device=args.device, **kwargs)
         if args.watermark_blocks is not None:   # (Scheduler's watermark: a fraction of the pool)
             llm.scheduler.watermark_blocks = args.watermark_blocks
-        seconds, view = run_demo(llm, args.demo, args.live, args.trace, args.delay, args.svg,
-                                 args.svg_step, args.step)
+        seconds, view = run_demo(llm, args.demo, args.live, args.trace, args.delay)
     except ValueError as e:   # bad input: nothing ran
         p.error(str(e))
     except KeyboardInterrupt:   # Ctrl-C: the view has given the terminal back
@@ -2192,11 +2145,3 @@ if __name__ == "__main__":
         drawing = f", {view.draw_seconds / seconds:.1%} of it drawing the view" if args.live else ""
         print(f"{llm.num_generated_tokens / seconds:.1f} tokens/s generated in {seconds:.1f} s"
               + drawing)
-    if args.svg:   # saved last: what the run printed stays printed whatever becomes of it
-        if view.svg_frame[1] is None:
-            p.error(f"--svg-step {args.svg_step}: the run ended at step {llm.num_steps}; "
-                    "no image saved")
-        try:
-            save_svg(view.svg_frame[1], args.svg, view.console.width)
-        except OSError as e:
-            p.error(f"--svg {args.svg!r}: {e.strerror}")

@@ -95,9 +95,8 @@ BAD_COMMAND_LINES = [   # each printed a traceback, or failed only after the run
     ["--max-num-batched-tokens", "0"], ["--num-cpu-blocks", "-1"],
     ["--model", "random:nonsense"], ["--preemption-mode", "swap", "--num-cpu-blocks", "0"],
     ["--delay", "-1", "--trace"], ["--delay", "nan", "--trace"], ["--delay", "1"],
-    ["--svg", os.path.join("no", "such", "folder", "view.svg")],
     ["--num-blocks", "1000000000"], ["--block-size", str(2 ** 40)],
-    ["--svg", "."], ["--svg", "/proc/view.svg"], ["--trace", "--delay", "1e10"],
+    ["--trace", "--delay", "1e10"],
     ["--disk-path", "kv.bin"],   # the default demo has no disk tier: the path would do nothing
     ["--watermark-blocks", "-1"],
 ]
@@ -158,8 +157,7 @@ def test_occupancy_counts_only_written_slots_of_a_recomputed_n_gt_1_request():
 BAD_BENCH_COMMAND_LINES = [   # each ran an experiment first, then a traceback or exit status 0
     ["--model", "nonsense"], ["--model", "random:nonsense"],
     ["--json", os.path.join("no", "such", "folder", "bench.json")],
-    ["--json", "."], ["--json", ""], ["--random-weights", "--model", "random:tiny"],
-    ["--live"],   # --only memory: the live view watches the throughput run alone
+    ["--json", "."], ["--json", ""],
 ]
 if not torch.cuda.is_available():
     BAD_BENCH_COMMAND_LINES.append(["--device", "cuda"])
@@ -199,27 +197,14 @@ def test_a_bad_call_is_a_value_error_and_the_engine_serves_on(case):
     assert_no_block_held(llm)
 
 
-def test_an_svg_step_the_run_never_reaches_is_said_after_the_outputs(tmp_path):
-    """--svg-step past the run's last step: the outputs and figures are printed, then one line
-    says no image was saved, exit status 2 (it used to save nothing, silently)."""
-    path = tmp_path / "view.svg"
-    run = subprocess.run([sys.executable, "nanopaged.py", "--model", "random:tiny", "--demo",
-                          "fork", "--svg", str(path), "--svg-step", "1000"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
-    lines = run.stderr.strip().splitlines()
-    assert (run.returncode, len(lines)) == (2, 1), run.stderr
-    assert "--svg-step 1000: the run ended at step" in lines[0] and "no image saved" in lines[0]
-    assert "num_generated_tokens" in run.stdout and not path.exists()
-
-
 def test_an_output_path_is_writable_only_as_a_regular_file_or_a_new_one(tmp_path):
-    """--svg and bench --json take a new file or a regular one; a folder, a FIFO (opening it would
+    """bench --json takes a new file or a regular one; a folder, a FIFO (opening it would
     wait forever) and a symlink to nowhere are refused, and the check changes nothing."""
-    fifo, link, old = tmp_path / "fifo", tmp_path / "link.svg", tmp_path / "old.svg"
+    fifo, link, old = tmp_path / "fifo", tmp_path / "link.json", tmp_path / "old.json"
     os.mkfifo(fifo)
-    link.symlink_to(tmp_path / "target.svg")
+    link.symlink_to(tmp_path / "target.json")
     old.write_text("kept")
     assert [nanopaged.writable(str(p)) for p in (tmp_path, fifo, link, "")] == [False] * 4
-    assert nanopaged.writable(str(old)) and nanopaged.writable(str(tmp_path / "new.svg"))
-    assert sorted(os.listdir(tmp_path)) == ["fifo", "link.svg", "old.svg"]
+    assert nanopaged.writable(str(old)) and nanopaged.writable(str(tmp_path / "new.json"))
+    assert sorted(os.listdir(tmp_path)) == ["fifo", "link.json", "old.json"]
     assert link.is_symlink() and old.read_text() == "kept"

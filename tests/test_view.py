@@ -171,9 +171,7 @@ def frames_of(llm, arrivals, width, height):
     frames = []
 
     def draw(report):
-        view(report)   # keeps the events it has seen, as when entered
-        story = report.events
-        lines = console.render_lines(view.frame(report, story, height), pad=False)
+        lines = console.render_lines(view.frame(report, height), pad=False)
         frames.append((report, ["".join(s.text for s in line) for line in lines]))
 
     llm.on_step.append(draw)
@@ -388,18 +386,6 @@ def test_batching_trace_shows_a_newcomers_prefill_beside_decodes_in_one_step():
                      r"( into slots [\d, ]+)?$", trace("batching"), re.M)
 
 
-def test_step_waits_for_enter_and_prints_the_same_trace():
-    """--step reads one line (Enter) after each step; the trace is the one without it."""
-    command = [sys.executable, "nanopaged.py", "--model", "random:tiny", "--demo", "fork",
-               "--trace", "--step"]
-    run = subprocess.run(command, cwd=ROOT, input="\n" * 10, capture_output=True, text=True,
-                         timeout=120)
-    assert run.returncode == 0 and run.stdout == trace("fork")
-    starved = subprocess.run(command, cwd=ROOT, input="\n" * 3, capture_output=True, text=True,
-                             timeout=120)   # stdin ends after 3 lines: readline returns at once
-    assert starved.returncode == 0
-
-
 def test_delay_pauses_longer_on_steps_with_events(monkeypatch):
     """--delay S: each step pauses S, and S more for each event it shows."""
     pauses = []
@@ -419,37 +405,3 @@ def test_trace_repeats_exactly():
     def masked(text):
         return re.sub(r"[\d.e-]+ ms", "N ms", text)
     assert masked(trace("mix")) == masked(trace("mix"))
-
-
-def svg_of(tmp_path, *argv):
-    path = tmp_path / "view.svg"
-    out = subprocess.run([sys.executable, "nanopaged.py", "--model", "random:tiny", "--svg",
-                          str(path), *argv], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert "num_cow_copies" in out.stdout   # the run itself printed as without a view
-    svg = path.read_text()
-    assert svg.startswith("<svg")
-    runs = re.findall(r'<text [^>]*x="([\d.]+)"[^>]*clip-path[^>]*>([^<]*)</text>', svg)
-    return svg, [(x, t.replace("&#160;", " ")) for x, t in runs]   # the terminal's rows
-
-
-def test_svg_keeps_the_step_with_the_most_events_and_all_of_them(tmp_path):
-    """--svg saves the frame of the step with the most events (the first such), every one."""
-    steps = trace("mix").split("--- step ")[1:]   # the same run, traced: every step's events
-    events = [re.findall(rf"^ +{i + 1}  .*$", step, re.M) for i, step in enumerate(steps)]
-    most = max(range(len(events)), key=lambda i: len(events[i]))   # the first with the most
-    _, runs = svg_of(tmp_path, "--demo", "mix")
-    text = "\n".join(t for _, t in runs)
-    assert text.startswith(f"step {most + 1} |") and len(events[most]) >= 14
-    assert all(event.strip() in text for event in events[most])
-    _, runs = svg_of(tmp_path, "--demo", "mix", "--svg-step", "2")
-    assert runs[0][1].startswith("step 2 |")
-
-
-def test_svg_columns_line_up_without_leading_spaces(tmp_path):
-    """No run of text starts or ends with a space (some renderers drop them), and each run starts
-    at a whole column: x is a multiple of the character width."""
-    _, runs = svg_of(tmp_path, "--demo", "mix")
-    runs = [(x, t) for x, t in runs if t != "\n"]   # rich ends each row with a newline run
-    assert runs and all(t == t.strip() for _, t in runs)
-    columns = [float(x) / (20 * 0.61) for x, _ in runs]
-    assert all(abs(c - round(c)) < 1e-3 for c in columns)
