@@ -1,6 +1,6 @@
 """
-bench.py: the claims of paging, measured on this machine beside baselines, in six experiments
-(memory, throughput, prefix, preemption, multiturn, overlap): a table and a conclusion.
+bench.py: the claims of paging, measured on this machine beside baselines, in five experiments
+(memory, throughput, prefix, preemption, multiturn): a table and a conclusion.
 
     python bench.py                    every experiment, the default model
     python bench.py --quick            smaller workloads, a few minutes (what fresh-check runs)
@@ -60,23 +60,6 @@ def mixed_workload(llm, num_requests, seed=0, sample_every=0):
         params.append(SamplingParams(temperature=0.8 if sample else 0, n=2 if sample else 1,
                                      max_tokens=rng.randint(8, 128), ignore_eos=True, seed=i))
     return prompts, params
-
-def chat(llm, num_chats, num_turns, together=False):
-    """Chats, each turn the whole history and a new 64-token message (16 tokens back): one
-    request at a time, the chats in turn, or (together) every chat's turn in one call. Returns
-    (each chat's tokens, each reply's TTFT, from add_requests, the seconds it all took)."""
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    text, chats, ttft = corpus(llm), [[] for _ in range(num_chats)], []
-    t0 = time.perf_counter()
-    for turn in range(num_turns):
-        for group in [range(num_chats)] if together else [[i] for i in range(num_chats)]:
-            for i in group:   # a new message
-                start = 997 * (turn * num_chats + i) % (len(text) - 64)
-                chats[i] += text[start:start + 64]
-            for i, out in zip(group, llm.generate([chats[i] for i in group], params)):
-                chats[i] += out.outputs[0].token_ids   # the reply
-                ttft.append(out.ttft)
-    return chats, ttft, time.perf_counter() - t0
 
 def run(llm, label, prompts, params):
     """Requests through the engine: (each output's token ids, seconds, the pool after each step)."""
@@ -210,76 +193,66 @@ def preemption(args):
            ", ".join(f"{r[0]} {'yes' if r[4] else 'NO'}" for r in rows) + ".")
 
 def multiturn(args):
-    """chat(), one request at a time, in a device pool of two histories."""
-    num_chats, num_turns = (4, 4) if args.quick else (8, 6)
+    """Chats, each turn the whole history and a new 64-token message (16 tokens back), every chat's
+    turn in one call, in a device pool of two histories; the tiers below it; then slow links,
+    emulated (tier_gbps), with copies that block, in the background, and written ahead."""
+    num_chats, num_turns = (4, 3) if args.quick else (8, 4)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     num_blocks = 2 * (num_turns * 80 + 15) // 16   # two chats' last turns
     quarter = num_chats * num_blocks // 8   # host blocks for a quarter of the chats
+    tiers = dict(num_cpu_blocks=quarter, num_disk_blocks=4 * num_blocks)
+    ahead = nanopaged.WRITE_AHEAD
     configs = {"device only": {}, "+ host": dict(num_cpu_blocks=num_chats * num_blocks),
-               "+ 1/4 host": dict(num_cpu_blocks=quarter), "+ 1/4 host, disk":
-               dict(num_cpu_blocks=quarter, num_disk_blocks=4 * num_blocks)}
+               "+ 1/4 host": dict(num_cpu_blocks=quarter), "+ 1/4 host, disk": tiers,
+               "slow links: blocking": dict(tiers, async_copies=False, write_ahead=0),
+               "slow links: async": dict(tiers, write_ahead=0), "slow links: write-ahead": tiers}
     LLM(args.model, device=args.device, num_blocks=num_blocks).generate([[1] * 64])  # warm-up
-    rows, want = [], None
+    rows, want, gbps = [], None, None
     for name, pools in configs.items():
-        llm = LLM(args.model, device=args.device, num_blocks=num_blocks, **pools)
-        chats, ttft, seconds = chat(llm, num_chats, num_turns)
-        s, cost, tiers = llm.stats(), llm.block_manager.cost, ("host", "disk")
-        below = [s[f"{t}_prefix_cache_hits"] for t in tiers]   # tokens found below, by tier
+        nanopaged.WRITE_AHEAD = pools.get("write_ahead", ahead)
+        pools = {k: v for k, v in pools.items() if k != "write_ahead"}
+        slow = dict(tier_gbps=gbps) if name.startswith("slow") else {}
+        llm = LLM(args.model, device=args.device, num_blocks=num_blocks, **pools, **slow)
+        text, chats, ttft = corpus(llm), [[] for _ in range(num_chats)], []
+        t0 = time.perf_counter()
+        for turn in range(num_turns):
+            for i, chat in enumerate(chats):   # a new message
+                start = 997 * (turn * num_chats + i) % (len(text) - 64)
+                chat += text[start:start + 64]
+            for chat, out in zip(chats, llm.generate(chats, params)):
+                chat += out.outputs[0].token_ids   # the reply
+                ttft.append(out.ttft)
+        seconds = time.perf_counter() - t0
+        s, cost = llm.stats(), llm.block_manager.cost
+        # links beside a GPU: a block over PCIe in 4 tokens' compute, over NVMe in 12 (recompute:
+        # 16), scaled to this machine: from the device-only run's seconds a token
+        gbps = gbps or {t: llm.links.bytes_per_block / (k * cost.seconds_per_token) / 1e9
+                        for t, k in (("host", 4), ("disk", 12))}
+        if not slow:   # the links as timed at start-up (the last such row has both tiers)
+            measured = {t: llm.links.bytes_per_block / cost.seconds_per_block[t] / 1e9
+                        for t in ("host", "disk")}
+        below = [s[f"{t}_prefix_cache_hits"] for t in ("host", "disk")]   # tokens found below
         hits = [s["prefix_cache_hits"] - sum(below), *below]
         rates = " ".join(f"{h / s['prefix_cache_queries']:.0%}" for h in hits)
         want = want or chats
         rows.append((name, s["num_prefill_tokens_computed"], rates, mean(ttft),
-                     s["num_generated_tokens"] / seconds, chats == want))
-    gbps = {t: llm.kv_cache[:, :, 0].nbytes / cost.seconds_per_block[t] / 1e9 for t in tiers}
-    worth = {t: cost.worth_loading(getattr(llm.block_manager, t)) for t in tiers}   # (a Pool)
-    rule = ", ".join(f"{t} {v:.1f} GB/s: {'load' if worth[t] else 'recompute'}"
-                     for t, v in gbps.items())
+                     sorted(ttft)[int(0.9 * len(ttft))], s["num_generated_tokens"] / seconds,
+                     s["copy_wait_seconds"], chats == want))
+    nanopaged.WRITE_AHEAD = ahead
     report("multiturn", f"{num_chats} chats of {num_turns} turns, {num_blocks} device blocks",
-           ["tiers", "prefill computed", "hits: device host disk", "mean ttft (s)", "tokens/s",
-            "same outputs"], rows,
+           ["tiers", "prefill computed", "hits: device host disk", "ttft mean", "ttft p90",
+            "tokens/s", "waited (s)", "same"], rows,
            f"With a host tier {1 - rows[1][1] / rows[0][1]:.0%} fewer prompt tokens are computed, "
            f"the first token comes {rows[0][3] / rows[1][3]:.1f}x sooner; a quarter host computes "
-           f"{rows[2][1]}, with a disk {rows[3][1]}. Tiers timed at start: {rule} (a block's "
-           f"recompute: {1e3 * cost.block_size * cost.seconds_per_token:.0f} ms at most). On a "
-           f"CPU the device is host memory too; the disk file may sit in the page cache.")
+           f"{rows[2][1]}, with a disk {rows[3][1]}. Over links emulated (tier_gbps) as PCIe and "
+           f"NVMe beside a GPU (host {gbps['host']:.3g}, disk {gbps['disk']:.3g} GB/s), copies in "
+           f"the background bring the first token {rows[4][3] / rows[6][3]:.1f}x sooner, "
+           f"{rows[6][5] / rows[4][5]:.1f}x the tokens/s, {rows[6][6]:.2f} s waited on copies "
+           f"against {rows[4][6]:.2f} s. The links as timed at start-up, unslowed: "
+           f"{', '.join(f'{t} {v:.1f} GB/s' for t, v in measured.items())}. On a CPU the device "
+           "is host memory too; the disk file may sit in the page cache.")
 
-def overlap(args):
-    """chat(), the chats' turns together, in a device pool of two histories, over emulated links:
-    blocking copies, async copies, async with write-ahead."""
-    num_chats, num_turns = (4, 3) if args.quick else (8, 4)
-    num_blocks = 2 * (num_turns * 80 + 15) // 16
-    device = dict(device=args.device, num_blocks=num_blocks)
-    chat(LLM(args.model, **device), num_chats, num_turns, True)   # a warm-up
-    llm = LLM(args.model, **device)   # then the device alone, timed: seconds a token computed
-    _, _, seconds = chat(llm, num_chats, num_turns, True)
-    s = llm.stats()
-    per_token = seconds / (s["num_prefill_tokens_computed"] + s["num_generated_tokens"])
-    # a block over PCIe in 4 tokens' compute, over NVMe in 12 (its recompute: 16), as beside a
-    # GPU: the links are emulated (tier_gbps), scaled to this machine's measured compute
-    gbps = {t: llm.links.bytes_per_block / (k * per_token) / 1e9 for t, k in (("host", 4),
-                                                                              ("disk", 12))}
-    rows, want, ahead = [], None, nanopaged.WRITE_AHEAD
-    for name, async_copies, write_ahead in [("blocking", False, 0), ("async", True, 0),
-                                            ("async, write-ahead", True, ahead)]:
-        nanopaged.WRITE_AHEAD = write_ahead
-        llm = LLM(args.model, **device, async_copies=async_copies, tier_gbps=gbps,
-                  num_cpu_blocks=num_chats * num_blocks // 4, num_disk_blocks=4 * num_blocks)
-        out, ttft, seconds = chat(llm, num_chats, num_turns, True)
-        s, want = llm.stats(), want or out
-        rows.append((name, mean(ttft), sorted(ttft)[int(0.9 * len(ttft))],
-                     s["num_generated_tokens"] / seconds, s["copy_wait_seconds"],
-                     s["num_loaded_blocks"], s["num_offloaded_blocks"], out == want))
-    nanopaged.WRITE_AHEAD = ahead
-    report("overlap", f"{num_chats} chats at once, {num_turns} turns, {num_blocks} device blocks, "
-           f"links emulated: host {gbps['host']:.3g} GB/s, disk {gbps['disk']:.3g} GB/s",
-           ["copies", "ttft mean", "ttft p90", "tokens/s", "waited (s)", "loaded", "written",
-            "same"], rows,
-           f"Copies in the background: the first token {rows[0][1] / rows[2][1]:.1f}x sooner on "
-           f"average, {rows[2][3] / rows[0][3]:.1f}x the tokens/s, {rows[2][4]:.2f} s waited on "
-           f"copies against {rows[0][4]:.2f} s. The links are an emulation (tier_gbps) of PCIe "
-           "and NVMe beside a GPU, scaled to this machine: a block moves in the time 4 and 12 "
-           "tokens take to compute.")
-
-EXPERIMENTS = {f.__name__: f for f in (memory, throughput, prefix, preemption, multiturn, overlap)}
+EXPERIMENTS = {f.__name__: f for f in (memory, throughput, prefix, preemption, multiturn)}
 
 if __name__ == "__main__":
     p = nanopaged.ArgumentParser(description="nanopaged benchmark: the claims of paging, measured")

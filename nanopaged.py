@@ -308,19 +308,21 @@ class BlockManager:
                 self.events.record("drop", [], [block.block_id], pool, [held[0][1].block_id],
                                    held[0][0])
             elif below is not None:
-                dst = self._get_new_block(below)
-                self.copies.append((pool, block.block_id, below, dst.block_id))
-                self._register(below, dst, block.entry)   # after its copy is queued (section 9)
-                self._cache(below, dst)
-                self.num_offloaded_blocks += 1
-                self.events.record("write down", [], [block.block_id], pool, [dst.block_id],
-                                   below)
+                self._write_down(pool, block, below, "write down")
             else:   # its K/V are lost to the prefix cache
                 self.num_evictions += 1
                 self.events.record("evict", [], [block.block_id], pool)
             self._unregister(pool, block)
             pool.free_block_ids.append(block.block_id)
         return pool.blocks[pool.free_block_ids.popleft()]
+
+    def _write_down(self, pool, block, below, kind):   # a copy below, cached there
+        dst = self._get_new_block(below)
+        self.copies.append((pool, block.block_id, below, dst.block_id))
+        self._register(below, dst, block.entry)   # after its copy is queued (section 9)
+        self._cache(below, dst)
+        self.num_offloaded_blocks += 1
+        self.events.record(kind, [], [block.block_id], pool, [dst.block_id], below)
 
     def _allocate_block(self, pool):
         block = self._get_new_block(pool)
@@ -786,8 +788,7 @@ class LLM:
     def __init__(self, model=None, device=None, dtype=None, block_size=16, num_blocks=None,
                  num_cpu_blocks=0, num_disk_blocks=0, disk_path=None, enable_prefix_caching=True,
                  max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=None,
-                 preemption_mode="auto", seed=0, swap_space=None, async_copies=True,
-                 tier_gbps=None):
+                 preemption_mode="auto", seed=0, async_copies=True, tier_gbps=None):
         # the arguments are checked before the model loads, which takes seconds (section 5)
         check_engine_args(**{k: v for k, v in locals().items() if k != "self"})
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -805,11 +806,8 @@ class LLM:
         if num_blocks is None:
             budget = 0.8 * torch.cuda.mem_get_info(self.device)[0] if cuda else 2**30
             num_blocks = max(1, int(budget // bytes_per_block))
-        swap_bytes = (swap_space or 0) * 2**30   # swap_space: GiB of host memory
-        num_cpu_blocks = num_cpu_blocks or int(swap_bytes // bytes_per_block)
         # the pools against this machine's memory, max_model_len against the model's (section 5)
-        check_loaded_model(self, max_model_len, preemption_mode, num_blocks, num_cpu_blocks,
-                           swap_space, bytes_per_block)
+        check_loaded_model(self, max_model_len, num_blocks, num_cpu_blocks, bytes_per_block)
         # (2, num_layers, num_blocks, block_size, kv_heads, head_dim): K and V of every block
         shape = (2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -1051,7 +1049,6 @@ ARG_RULES = {
     "preemption_mode": (lambda x: x in ("recompute", "swap", "auto"),
                         "'recompute', 'swap' or 'auto'"),
     "seed": (lambda x: is_int(x) and 0 <= x < 2**63, "an int in [0, 2**63)"),
-    "swap_space": (lambda x: x is None or is_number(x) and x >= 0, "None or a number of GiB >= 0"),
     "temperature": (lambda x: is_number(x) and (x == 0 or x >= MIN_TEMPERATURE),
                     f"0 (greedy) or a number >= {MIN_TEMPERATURE}"),
     "top_p": (lambda x: is_number(x) and MIN_TOP_P <= x <= 1,
@@ -1107,14 +1104,10 @@ def check_engine_args(device, disk_path, **args):
             f"file in a folder you may write (removed with the engine), got {disk_path!r}")
     require(disk_path is None or args["num_disk_blocks"] > 0,
             f"disk_path {disk_path!r} holds the disk tier: give num_disk_blocks > 0 with it")
-    swap_space = args["swap_space"]
-    require_memory((swap_space or 0) * 2**30, f"swap_space {swap_space} GiB exceeds")
-    require(not (args["num_cpu_blocks"] and swap_space),
-            "num_cpu_blocks and swap_space both size the host pool: give one of them")
     require(args["enable_prefix_caching"] or not args["num_disk_blocks"], "num_disk_blocks: the "
             "disk tier holds cached blocks only, and enable_prefix_caching is False")
-    require(args["preemption_mode"] != "swap" or args["num_cpu_blocks"] or swap_space,
-            "preemption_mode='swap' needs a host pool: num_cpu_blocks > 0 or swap_space (GiB)")
+    require(args["preemption_mode"] != "swap" or args["num_cpu_blocks"],
+            "preemption_mode='swap' needs a host pool: num_cpu_blocks > 0")
 
 
 def require_memory(num_bytes, what):   # refused as "<what> this machine's memory (N GiB)"
@@ -1124,8 +1117,7 @@ def require_memory(num_bytes, what):   # refused as "<what> this machine's memor
         return
     require(num_bytes <= ram, f"{what} this machine's memory ({ram >> 30} GiB)")
 
-def check_loaded_model(llm, max_model_len, preemption_mode, num_blocks, num_cpu_blocks,
-                       swap_space, bytes_per_block):
+def check_loaded_model(llm, max_model_len, num_blocks, num_cpu_blocks, bytes_per_block):
     """What can only be checked once the model is known: its length, its block size in bytes."""
     on_cpu = llm.device.type == "cpu"
     in_ram = num_cpu_blocks + (num_blocks if on_cpu else 0)   # on a CPU the device is RAM too
@@ -1137,8 +1129,6 @@ def check_loaded_model(llm, max_model_len, preemption_mode, num_blocks, num_cpu_
     longest = llm.model.config.max_position_embeddings
     require(llm.max_model_len <= longest,
             f"max_model_len {max_model_len} exceeds the model's {longest}")
-    require(preemption_mode != "swap" or num_cpu_blocks >= 1,
-            f"swap_space {swap_space} GiB holds no block of {bytes_per_block} bytes")
 
 def tokenize(llm, prompt):
     if isinstance(prompt, str):
@@ -1491,7 +1481,8 @@ class CopyEngine:
                 self.queued = ticket
                 self.started.append((ticket, copies[0]))
             copies.popleft()
-        self.raise_failure()
+        if self.failed is not None:   # a copy raised: so does the step (undone, section 9)
+            raise RuntimeError(f"a block copy failed: {self.failed[0]!r}") from self.failed[0]
         requests = {e.request: self.last_ticket(e.request) for e in batch.entries}
         if requests and all(t > self.made for t in requests.values()):   # nobody can run:
             self.wait(min(requests.values()))   # until the first of them can
@@ -1500,9 +1491,6 @@ class CopyEngine:
                 batch.remove(request)
                 events.record("loading", [s.seq_id for s in request.seqs])
         return batch
-
-    def loading(self, request):   # (the view) are its blocks still in flight?
-        return self.last_ticket(request) > self.made
 
     def blocks_in_flight(self, tier):   # (the view) tier's blocks a copy still reads or writes
         return {b for (t, b), ticket in self.in_flight.items()
@@ -1526,10 +1514,6 @@ class CopyEngine:
         unmade, self.failed = (self.failed or (None, []))[1], None
         return {(dst_tier, dst) for _, _, dst_tier, dst in unmade}
 
-    def raise_failure(self):
-        if self.failed is not None:
-            raise RuntimeError(f"a block copy failed: {self.failed[0]!r}") from self.failed[0]
-
 WRITE_AHEAD = 0.25   # async_copies: the part of the device pool kept ready to evict without a copy
 WRITE_AHEAD_PER_STEP = 4   # blocks at most, a step whose start finds the link idle
 
@@ -1543,12 +1527,7 @@ def write_ahead(bm, num_blocks):
     blocks = [bm.device.blocks[b] for b in next_out]
     blocks = [b for b in blocks if not bm._lookup(lower, b.hash, b.token_ids, b.parent_prefix_id)]
     for block in blocks[:WRITE_AHEAD_PER_STEP] if lower else ():
-        dst = bm._get_new_block(lower[0])
-        bm.copies.append((bm.device, block.block_id, lower[0], dst.block_id))
-        bm._register(lower[0], dst, block.entry)
-        bm._cache(lower[0], dst)
-        bm.num_offloaded_blocks += 1
-        bm.events.record("write ahead", [], [block.block_id], bm.device, [dst.block_id], lower[0])
+        bm._write_down(bm.device, block, lower[0], "write ahead")
 
 def ms(seconds):   # a measured time, as the trace prints it
     return f"{1e3 * seconds:.3g} ms"
@@ -1977,8 +1956,9 @@ class View:
             where = "" if pool is bm.device else pool.name   # a table into the host: host[...]
             table = where + table_text(pool.blocks, seq.block_table, 26 - len(where))
             line = Text(f"{seq.seq_id:>5} {seq.request_id:>4}", HOLDER_COLOURS[seq.request_id % 8])
-            state = "loading" if self.llm.copy_engine and self.llm.copy_engine.loading(
-                request) else request.status.value   # (its blocks in flight: section 8)
+            engine = self.llm.copy_engine   # loading: its blocks in flight (section 8)
+            loading = engine and engine.last_ticket(request) > engine.made
+            state = "loading" if loading else request.status.value
             line.append(f"  {state:<8} {seq.num_written_tokens:>4}/{len(seq):<4}  "
                         f"{table:<26} ")
             room = max(0, width - len(line))

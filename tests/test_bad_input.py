@@ -24,12 +24,10 @@ BAD_ENGINE_ARGUMENTS = {   # each used to pass the checks and fail later, after 
     "dtype=torch.int64": (dict(dtype=torch.int64), "dtype"),
     "dtype=torch.bool": (dict(dtype=torch.bool), "dtype"),
     "device='cudaXYZ'": (dict(device="cudaXYZ"), "device"),
-    "swap_space=1e12": (dict(swap_space=1e12), "swap_space"),
     "num_cpu_blocks=10**12": (dict(num_cpu_blocks=10 ** 12), "num_cpu_blocks"),
     "num_blocks=10**9": (dict(num_blocks=10 ** 9), "num_blocks 1000000000"),   # 8 TB
     "block_size=2**40": (dict(block_size=2 ** 40), "bytes exceed"),   # one block: 8 PB
     "disk_path without a disk": (dict(disk_path="kv.bin"), "num_disk_blocks > 0"),
-    "both host sizes": (dict(num_cpu_blocks=8, swap_space=0.001), "give one of them"),
     "a disk and no prefix cache": (dict(num_disk_blocks=8, enable_prefix_caching=False),
                                    "num_disk_blocks"),   # nothing would ever be written down
 }

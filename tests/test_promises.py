@@ -327,7 +327,11 @@ BAD_ENGINE_ARGUMENTS = {
     "block_size=16.0": (dict(block_size=16.0), "block_size"),
     "num_blocks=10.5": (dict(num_blocks=10.5), "num_blocks"),
     "max_model_len=0": (dict(max_model_len=0), "max_model_len"),
-    "swap_space below one block": (dict(preemption_mode="swap", swap_space=1e-9), "swap_space"),
+    "async_copies=1": (dict(async_copies=1), "async_copies"),
+    "tier_gbps={'gpu': 1}": (dict(tier_gbps={"gpu": 1}), "tier_gbps"),
+    "tier_gbps={'host': 0}": (dict(tier_gbps={"host": 0}), "tier_gbps"),
+    "tier_gbps={'disk': nan}": (dict(tier_gbps={"disk": float("nan")}), "tier_gbps"),
+    "tier_gbps=16": (dict(tier_gbps=16), "tier_gbps"),
 }
 
 
