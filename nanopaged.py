@@ -29,6 +29,7 @@ view, 12. the command line and its demos.
     python nanopaged.py --help           the demos and the knobs (block size, pools, preemption)
 """
 import argparse
+import atexit
 import bisect
 import contextlib
 import copy
@@ -1258,7 +1259,7 @@ EVENT_WORDS = {   # the plain words of each kind of event, for the live view and
     "preempt": "seq {seqs} preempted by {mode}: blocks {blocks} taken back{why}",
     "finish": "seq {seqs} finishes ({reason}): blocks {blocks} released",
     "watermark": "seq {seqs} waits: it fits, but the watermark keeps {num_blocks} free for decodes",
-    "copies made": "copies made in the background: {num_copies} (device blocks arrived: {to})",
+    "copies made": "copies made in the background: {num_copies}{arrived}",
     "loading": "seq {seqs} sits this step out (loading): its blocks are still in flight",
 }
 
@@ -1429,12 +1430,12 @@ class CopyEngine:
         self.copy_wait_seconds = 0.0   # the steps' time waiting for a copy
         self.thread = threading.Thread(target=self.work, args=(llm.links,), daemon=True)
         self.thread.start()
-        weakref.finalize(llm, self.stop)   # with the engine, or at exit
+        weakref.finalize(llm, self.queue.put, None)   # the worker ends with the engine,
+        atexit.register(self.stop)   # or at exit, once its copies are made (never cut mid-copy)
 
-    def stop(self):   # the worker ends, its copies made (not cut off mid-copy by the exit)
+    def stop(self):
         self.queue.put(None)
-        if threading.current_thread() is not self.thread:
-            self.thread.join()
+        self.thread.join()
 
     def work(self, links):   # the worker thread
         while (item := self.queue.get()) is not None:
@@ -1461,13 +1462,6 @@ class CopyEngine:
         copies, events = llm.block_manager.copies, llm.events
         if self.queued <= self.made:   # the link is idle: loads never wait behind these
             write_ahead(llm.block_manager, int(WRITE_AHEAD * llm.block_manager.num_blocks))
-        done, made = self.made, []   # (the worker moves made on meanwhile)
-        while self.started and self.started[0][0] <= done:
-            made.append(self.started.popleft()[1])
-        self.in_flight = {key: t for key, t in self.in_flight.items() if t > done}
-        if made:
-            arrived = [dst for _, _, dst_tier, dst in made if dst_tier.name == "device"]
-            events.record("copies made", to_ids=arrived, num_copies=len(made))
         while copies:
             src_tier, src, dst_tier, dst = copies[0]
             if src_tier is dst_tier:   # copy-on-write: after what is in flight on its blocks
@@ -1486,8 +1480,16 @@ class CopyEngine:
         requests = {e.request: self.last_ticket(e.request) for e in batch.entries}
         if requests and all(t > self.made for t in requests.values()):   # nobody can run:
             self.wait(min(requests.values()))   # until the first of them can
+        done, made = self.made, []   # one moment for what has arrived and who still waits
+        while self.started and self.started[0][0] <= done:
+            made.append(self.started.popleft()[1])
+        self.in_flight = {key: t for key, t in self.in_flight.items() if t > done}
+        if made:
+            arrived = _ids([dst for _, _, dst_tier, dst in made if dst_tier.name == "device"])
+            events.record("copies made", num_copies=len(made),
+                          arrived=f" (device blocks {arrived} arrived)" if arrived else "")
         for request, ticket in requests.items():
-            if ticket > self.made:
+            if ticket > done:
                 batch.remove(request)
                 events.record("loading", [s.seq_id for s in request.seqs])
         return batch
