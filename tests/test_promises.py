@@ -277,11 +277,11 @@ def test_a_failed_step_leaves_the_other_requests_exact():
     copy_blocks = llm.copy_blocks
     calls = []
 
-    def failing_copy_blocks():   # the third step fails before its copies are made
+    def failing_copy_blocks(batch):   # the third step fails before its copies are made
         calls.append(list(llm.block_manager.copies))
         if len(calls) == 3:
             raise KeyboardInterrupt
-        copy_blocks()
+        return copy_blocks(batch)
 
     llm.copy_blocks = failing_copy_blocks
     with pytest.raises(KeyboardInterrupt):

@@ -86,11 +86,13 @@ def kv_of(llm, seq, cache=None):
     return cache[:, :, seq.block_table].flatten(2, 3)[:, :, :n].clone()
 
 
-def test_swap_out_and_in_keeps_kv_and_continues_exactly():
+@pytest.mark.parametrize("async_copies", [False, True])
+def test_swap_out_and_in_keeps_kv_and_continues_exactly(async_copies):
     """A request swapped out and back in mid-generation holds the same K/V bit for bit and ends as one that never left."""
     prompt, params = ids(7, 21), SamplingParams(temperature=0, max_tokens=12, n=2)
     want = [c.token_ids for c in LLM("random:tiny", block_size=4, num_blocks=64).generate([prompt], params)[0].outputs]
-    llm = checked(LLM("random:tiny", block_size=4, num_blocks=64, num_cpu_blocks=32, preemption_mode="swap"))
+    llm = checked(LLM("random:tiny", block_size=4, num_blocks=64, num_cpu_blocks=32, preemption_mode="swap",
+                      async_copies=async_copies))
     [request_id] = llm.add_requests([prompt], params)
     for _ in range(5):
         llm.step()
@@ -101,7 +103,9 @@ def test_swap_out_and_in_keeps_kv_and_continues_exactly():
     batch = ScheduledBatch(budget=2048)
     assert llm.scheduler.preempt(request, batch, mode="swap") == "swap"
     copies = list(llm.block_manager.copies)
-    llm.copy_blocks()
+    llm.copy_blocks(batch)
+    if async_copies:   # made in the background: until they are
+        llm.copy_engine.wait(llm.copy_engine.queued)
     distinct = len({b for s in seqs for b in s.block_table})
     assert len(copies) == distinct and {(c[0].name, c[2].name) for c in copies} == {("device", "host")}   # each distinct block moved once: sharing survives
     assert seqs[0].block_table[:5] == seqs[1].block_table[:5]
@@ -119,8 +123,9 @@ def test_swap_out_and_in_keeps_kv_and_continues_exactly():
 
 
 def test_swapped_in_kv_equals_swapped_out_kv():
-    """After the round trip the device blocks hold exactly the K/V that left."""
-    llm = checked(LLM("random:tiny", block_size=4, num_blocks=64, num_cpu_blocks=32, preemption_mode="swap"))
+    """After the round trip the device blocks hold exactly the K/V that left (blocking copies)."""
+    llm = checked(LLM("random:tiny", block_size=4, num_blocks=64, num_cpu_blocks=32, preemption_mode="swap",
+                      async_copies=False))
     [request_id] = llm.add_requests([ids(8, 18)], SamplingParams(temperature=0, max_tokens=20))
     for _ in range(4):
         llm.step()
@@ -129,11 +134,11 @@ def test_swapped_in_kv_equals_swapped_out_kv():
     before = kv_of(llm, seq)
     batch = ScheduledBatch(budget=2048)
     llm.scheduler.preempt(request, batch, mode="swap")
-    llm.copy_blocks()
+    llm.copy_blocks(batch)
     llm.kv_cache.normal_()   # whatever the device pool held is gone
     batch = llm.scheduler.schedule()
     assert [c for c in llm.block_manager.copies if c[0].name == "host"] and seq in [e.seq for e in batch.entries]
-    llm.copy_blocks()
+    llm.copy_blocks(batch)
     assert torch.equal(kv_of(llm, seq), before)
 
 

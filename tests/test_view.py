@@ -296,9 +296,9 @@ def test_the_trace_tells_loads_and_write_downs_in_the_order_their_copies_are_mad
         queued, told = [], []
         make_copies = llm.copy_blocks
 
-        def copy_blocks():   # the step's queue, as the engine makes it
+        def copy_blocks(batch):   # the step's queue, as the engine makes it
             queued.append([(a.name, b, c.name, d) for a, b, c, d in llm.block_manager.copies])
-            make_copies()
+            return make_copies(batch)
 
         def tell(report):
             told.append([(e.tier.name, e.block_ids[0], e.to_tier.name,
