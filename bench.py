@@ -193,10 +193,10 @@ def preemption(args):
            ", ".join(f"{r[0]} {'yes' if r[4] else 'NO'}" for r in rows) + ".")
 
 def multiturn(args):
-    """Chats, each turn the whole history and a new 64-token message (16 tokens back), every chat's
-    turn in one call, in a device pool of two histories; the tiers below it; then slow links,
-    emulated (tier_gbps), with copies that block, in the background, and written ahead."""
-    num_chats, num_turns = (4, 3) if args.quick else (8, 4)
+    """Chats, each turn the whole history and a new 64-token message (16 tokens back), one request
+    at a time, the chats in turn, in a device pool of two histories; the tiers below it; then slow
+    links, emulated (tier_gbps), with copies that block, in the background, and written ahead."""
+    num_chats, num_turns = (4, 4) if args.quick else (8, 6)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     num_blocks = 2 * (num_turns * 80 + 15) // 16   # two chats' last turns
     quarter = num_chats * num_blocks // 8   # host blocks for a quarter of the chats
@@ -215,18 +215,18 @@ def multiturn(args):
         llm = LLM(args.model, device=args.device, num_blocks=num_blocks, **pools, **slow)
         text, chats, ttft = corpus(llm), [[] for _ in range(num_chats)], []
         t0 = time.perf_counter()
-        for turn in range(num_turns):
-            for i, chat in enumerate(chats):   # a new message
-                start = 997 * (turn * num_chats + i) % (len(text) - 64)
-                chat += text[start:start + 64]
-            for chat, out in zip(chats, llm.generate(chats, params)):
-                chat += out.outputs[0].token_ids   # the reply
-                ttft.append(out.ttft)
+        for i in range(num_turns * num_chats):   # a chat's new message, then the reply
+            start = 997 * i % (len(text) - 64)
+            chats[i % num_chats] += text[start:start + 64]
+            out = llm.generate([chats[i % num_chats]], params)[0]
+            chats[i % num_chats] += out.outputs[0].token_ids
+            ttft.append(out.ttft)
         seconds = time.perf_counter() - t0
         s, cost = llm.stats(), llm.block_manager.cost
         # links beside a GPU: a block over PCIe in 4 tokens' compute, over NVMe in 12 (recompute:
-        # 16), scaled to this machine: from the device-only run's seconds a token
-        gbps = gbps or {t: llm.links.bytes_per_block / (k * cost.seconds_per_token) / 1e9
+        # 16), scaled to this machine: the device-only run's seconds a token computed
+        per_token = seconds / (s["num_prefill_tokens_computed"] + s["num_generated_tokens"])
+        gbps = gbps or {t: llm.links.bytes_per_block / (k * per_token) / 1e9
                         for t, k in (("host", 4), ("disk", 12))}
         if not slow:   # the links as timed at start-up (the last such row has both tiers)
             measured = {t: llm.links.bytes_per_block / cost.seconds_per_block[t] / 1e9
