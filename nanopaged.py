@@ -2106,9 +2106,7 @@ if __name__ == "__main__":
     kwargs["async_copies"] = kwargs["async_copies"] or args.async_copies
     llm = None
     try:
-        loading = Console(stderr=True).status("loading the model") if args.live else None
-        with loading or contextlib.nullcontext():
-            llm = LLM(args.model, device=args.device, **kwargs)
+        llm = LLM(args.model, device=args.device, **kwargs)
         if args.watermark_blocks is not None:   # (Scheduler's watermark: a fraction of the pool)
             llm.scheduler.watermark_blocks = args.watermark_blocks
         seconds, view = run_demo(llm, args.demo, args.live, args.trace, args.delay)
