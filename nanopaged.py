@@ -1815,7 +1815,6 @@ class View:
         self.delay = delay          # seconds to pause after a step, and as many per event it shows
         self.rich_live = None    # while live: rich's Live
         self.last_frame = None   # and the frame it shows
-        self.draw_seconds = 0.0     # time spent drawing: the view's own cost
 
     def __enter__(self):
         self.llm.on_step.append(self)
@@ -1832,14 +1831,12 @@ class View:
                 self.console.print(self.last_frame)
 
     def __call__(self, report):
-        t0 = time.perf_counter()
         if self.rich_live is not None:
             self.last_frame = self.frame(report, self.console.height)
             self.rich_live.update(self.last_frame, refresh=True)
         elif not self.live:
             self.console.rule(f"step {report.step}", characters="-")
             self.console.print(self.frame(report))
-        self.draw_seconds += time.perf_counter() - t0
         time.sleep(self.delay * (1 + len(report.events)))
 
     def frame(self, report, height=None):
@@ -2041,14 +2038,13 @@ def demo_pool(name, block_size):   # DEMO_POOLS counts 4-token blocks: smaller o
     return {"async_copies": False, **pool}   # blocking but in overlap: each trace repeats exactly
 
 def run_demo(llm, name, live=False, trace=False, delay=0.0):
-    """Run a demo (every request checked first), print its outputs; return its seconds, its View."""
+    """Run a demo (every request checked first), print its outputs; return its seconds."""
     arrivals = demo_arrivals(name, demo_text(llm))
     for _, prompts, params in arrivals:
         checked_requests(llm, prompts, params, type(params))
-    view = View(llm, live, None, delay) if live or trace else None
     t0 = time.perf_counter()
     request_ids = []
-    with view or contextlib.nullcontext():
+    with View(llm, live, None, delay) if live or trace else contextlib.nullcontext():
         for step, prompts, params in arrivals:
             while llm.num_steps < step and llm.scheduler.has_unfinished():
                 llm.step()
@@ -2060,7 +2056,7 @@ def run_demo(llm, name, live=False, trace=False, delay=0.0):
         for c in out.sequences if beams else out.outputs:
             how = f"score {c.score:.3f}" if beams else c.finish_reason
             print(f"[{out.request_id}] {c.text or c.token_ids!r}  ({how})")
-    return time.perf_counter() - t0, view
+    return time.perf_counter() - t0
 
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):   # bad input on the command line: one line, exit status 2
@@ -2109,7 +2105,7 @@ if __name__ == "__main__":
         llm = LLM(args.model, device=args.device, **kwargs)
         if args.watermark_blocks is not None:   # (Scheduler's watermark: a fraction of the pool)
             llm.scheduler.watermark_blocks = args.watermark_blocks
-        seconds, view = run_demo(llm, args.demo, args.live, args.trace, args.delay)
+        seconds = run_demo(llm, args.demo, args.live, args.trace, args.delay)
     except ValueError as e:   # bad input: nothing ran
         p.error(str(e))
     except KeyboardInterrupt:   # Ctrl-C: the view has given the terminal back
@@ -2120,6 +2116,4 @@ if __name__ == "__main__":
             continue   # a trace repeats exactly: it prints no timings
         print(f"{k:28} {v:.3f}" if isinstance(v, float) else f"{k:28} {v}")
     if not args.trace:   # a trace repeats exactly: it prints no timings
-        drawing = f", {view.draw_seconds / seconds:.1%} of it drawing the view" if args.live else ""
-        print(f"{llm.num_generated_tokens / seconds:.1f} tokens/s generated in {seconds:.1f} s"
-              + drawing)
+        print(f"{llm.num_generated_tokens / seconds:.1f} tokens/s generated in {seconds:.1f} s")
