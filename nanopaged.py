@@ -1020,10 +1020,6 @@ def int_at_least(low):   # a rule of ARG_RULES
     return lambda x: is_int(x) and x >= low
 
 
-def is_bool(x):
-    return isinstance(x, bool)
-
-
 MIN_TEMPERATURE = 0.01   # logits / temperature overflow float32 near 1e-38; 0 means greedy
 MIN_TOP_P = 1e-6         # top_p is compared with float32 probabilities, where 1e-300 is 0
 MAX_LENGTH_PENALTY = 10  # 131072 ** 10 is about 1e51: no overflow, no division by zero
@@ -1041,7 +1037,7 @@ ARG_RULES = {
     "num_blocks": (lambda x: x is None or is_int(x) and x >= 1, "None or an int >= 1"),
     "num_cpu_blocks": (int_at_least(0), "an int >= 0"),
     "num_disk_blocks": (int_at_least(0), "an int >= 0"),
-    "enable_prefix_caching": (is_bool, "a bool"),
+    "enable_prefix_caching": (lambda x: isinstance(x, bool), "a bool"),
     "max_num_seqs": (int_at_least(1), "an int >= 1"),
     "max_num_batched_tokens": (int_at_least(1), "an int >= 1"),
     "max_model_len": (lambda x: x is None or is_int(x) and x >= 1,
@@ -1056,12 +1052,12 @@ ARG_RULES = {
     "top_k": (int_at_least(0), "an int >= 0 (0 keeps every token)"),
     "max_tokens": (int_at_least(1), "an int >= 1"),
     "n": (int_at_least(1), "an int >= 1"),
-    "ignore_eos": (is_bool, "a bool"),
+    "ignore_eos": (lambda x: isinstance(x, bool), "a bool"),
     "beam_width": (int_at_least(1), "an int >= 1"),
     "length_penalty": (lambda x: is_number(x) and abs(x) <= MAX_LENGTH_PENALTY,   # a finite power
                        f"a number in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}]"),
-    "live": (is_bool, "a bool"),
-    "async_copies": (is_bool, "a bool"),
+    "live": (lambda x: isinstance(x, bool), "a bool"),
+    "async_copies": (lambda x: isinstance(x, bool), "a bool"),
     "tier_gbps": (lambda x: x is None or isinstance(x, dict) and all(
         k in ("host", "disk") and is_number(v) and v > 0 for k, v in x.items()),
                   "None or a dict of GB/s > 0 by tier, such as {'host': 16, 'disk': 2}"),
