@@ -1071,14 +1071,14 @@ def check_args(**args):   # each by its rule in ARG_RULES
 
 
 def writable(path):   # can a file be written at path? Tried: os.access says yes to root
-    folder = os.path.dirname(os.path.abspath(path or "."))
-    other = os.path.lexists(path) and not os.path.isfile(path)   # a folder, a FIFO, a dead link
-    if not path or other or not os.path.isdir(folder):
+    # refused unopened: a folder, a FIFO (opening one waits for a reader), a dead link (opening
+    # one makes its target)
+    if not path or os.path.lexists(path) and not os.path.isfile(path):
         return False
     existed = os.path.exists(path)
-    try:
+    try:   # (no such folder, a read-only one, a name ending in a separator: an OSError)
         open(path, "a").close()
-    except OSError:
+    except (OSError, ValueError):   # ValueError: a NUL in the name
         return False
     if not existed:
         os.remove(path)
@@ -1094,8 +1094,7 @@ def check_engine_args(device, disk_path, **args):
     require(kind != "cuda" or int(index or 0) < torch.cuda.device_count(),   # 0 without CUDA
             f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA devices")
     given = os.fspath(disk_path) if isinstance(disk_path, (str, os.PathLike)) else ""
-    a_name = "\0" not in given and not given.endswith(os.sep)   # lexists: a dead link is no file
-    new_file = a_name and not os.path.lexists(given) and writable(given)
+    new_file = not os.path.lexists(given) and writable(given)   # lexists: a dead link is taken
     require(disk_path is None or new_file, "disk_path must be None (a temporary file) or a new "
             f"file in a folder you may write (removed with the engine), got {disk_path!r}")
     require(disk_path is None or args["num_disk_blocks"] > 0,
@@ -1106,19 +1105,17 @@ def check_engine_args(device, disk_path, **args):
             "preemption_mode='swap' needs a host pool: num_cpu_blocks > 0")
 
 
-def require_memory(num_bytes, what):   # refused as "<what> this machine's memory (N GiB)"
+def check_loaded_model(llm, max_model_len, num_blocks, num_cpu_blocks, bytes_per_block):
+    """What can only be checked once the model is known: its length, its block size in bytes."""
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError):   # the system does not say: no check
-        return
-    require(num_bytes <= ram, f"{what} this machine's memory ({ram >> 30} GiB)")
-
-def check_loaded_model(llm, max_model_len, num_blocks, num_cpu_blocks, bytes_per_block):
-    """What can only be checked once the model is known: its length, its block size in bytes."""
+        ram = math.inf
     on_cpu = llm.device.type == "cpu"
     in_ram = num_cpu_blocks + (num_blocks if on_cpu else 0)   # on a CPU the device is RAM too
-    require_memory(in_ram * bytes_per_block, f"num_blocks {num_blocks} (device) and "
-                   f"num_cpu_blocks {num_cpu_blocks} (host) of {bytes_per_block} bytes exceed")
+    require(in_ram * bytes_per_block <= ram, f"num_blocks {num_blocks} (device) and num_cpu_blocks "
+            f"{num_cpu_blocks} (host) of {bytes_per_block} bytes exceed this machine's memory "
+            f"({ram / 2**30:.0f} GiB)")
     free = math.inf if on_cpu else torch.cuda.mem_get_info(llm.device)[0]
     require(num_blocks * bytes_per_block <= free, f"num_blocks {num_blocks} of {bytes_per_block} "
             f"bytes exceed the {free / 2**30:.1f} GiB free on {llm.device}")
