@@ -1806,8 +1806,7 @@ class View:
         self.console = console or (Console(highlight=False) if live else
                                    Console(highlight=False, color_system=None, width=80))
         self.delay = delay          # seconds to pause after a step, and as many per event it shows
-        self.rich_live = None    # while live: rich's Live
-        self.last_frame = None   # and the frame it shows
+        self.rich_live = None   # while live: rich's Live, which keeps the frame it shows
 
     def __enter__(self):
         self.llm.on_step.append(self)
@@ -1820,13 +1819,11 @@ class View:
         self.llm.on_step.remove(self)
         if self.rich_live is not None:
             self.rich_live.stop()   # the terminal is the user's again, after Ctrl-C too
-            if self.last_frame is not None:
-                self.console.print(self.last_frame)
+            self.console.print(self.rich_live.get_renderable())   # the last frame stays
 
     def __call__(self, report):
         if self.rich_live is not None:
-            self.last_frame = self.frame(report, self.console.height)
-            self.rich_live.update(self.last_frame, refresh=True)
+            self.rich_live.update(self.frame(report, self.console.height), refresh=True)
         elif not self.live:
             self.console.rule(f"step {report.step}", characters="-")
             self.console.print(self.frame(report))
