@@ -1016,10 +1016,6 @@ def is_number(x):   # a finite int or float
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def int_at_least(low):   # a rule of ARG_RULES
-    return lambda x: is_int(x) and x >= low
-
-
 MIN_TEMPERATURE = 0.01   # logits / temperature overflow float32 near 1e-38; 0 means greedy
 MIN_TOP_P = 1e-6         # top_p is compared with float32 probabilities, where 1e-300 is 0
 MAX_LENGTH_PENALTY = 10  # 131072 ** 10 is about 1e51: no overflow, no division by zero
@@ -1035,11 +1031,6 @@ ARG_RULES = {
     "block_size": (lambda x: is_int(x) and x >= 1 and not x & (x - 1),
                    "a positive power of two (1, 2, 4, ... 16 ...)"),
     "num_blocks": (lambda x: x is None or is_int(x) and x >= 1, "None or an int >= 1"),
-    "num_cpu_blocks": (int_at_least(0), "an int >= 0"),
-    "num_disk_blocks": (int_at_least(0), "an int >= 0"),
-    "enable_prefix_caching": (lambda x: isinstance(x, bool), "a bool"),
-    "max_num_seqs": (int_at_least(1), "an int >= 1"),
-    "max_num_batched_tokens": (int_at_least(1), "an int >= 1"),
     "max_model_len": (lambda x: x is None or is_int(x) and x >= 1,
                       "None (the model's) or an int >= 1"),
     "preemption_mode": (lambda x: x in ("recompute", "swap", "auto"),
@@ -1049,18 +1040,19 @@ ARG_RULES = {
                     f"0 (greedy) or a number >= {MIN_TEMPERATURE}"),
     "top_p": (lambda x: is_number(x) and MIN_TOP_P <= x <= 1,
               f"a number in (0, 1], at least {MIN_TOP_P}"),
-    "top_k": (int_at_least(0), "an int >= 0 (0 keeps every token)"),
-    "max_tokens": (int_at_least(1), "an int >= 1"),
-    "n": (int_at_least(1), "an int >= 1"),
-    "ignore_eos": (lambda x: isinstance(x, bool), "a bool"),
-    "beam_width": (int_at_least(1), "an int >= 1"),
+    "top_k": (lambda x: is_int(x) and x >= 0, "an int >= 0 (0 keeps every token)"),
     "length_penalty": (lambda x: is_number(x) and abs(x) <= MAX_LENGTH_PENALTY,   # a finite power
                        f"a number in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}]"),
-    "live": (lambda x: isinstance(x, bool), "a bool"),
-    "async_copies": (lambda x: isinstance(x, bool), "a bool"),
     "tier_gbps": (lambda x: x is None or isinstance(x, dict) and all(
         k in ("host", "disk") and is_number(v) and v > 0 for k, v in x.items()),
                   "None or a dict of GB/s > 0 by tier, such as {'host': 16, 'disk': 2}"),
+    # the rules several parameters share
+    **dict.fromkeys(["num_cpu_blocks", "num_disk_blocks"],
+                    (lambda x: is_int(x) and x >= 0, "an int >= 0")),
+    **dict.fromkeys(["max_num_seqs", "max_num_batched_tokens", "max_tokens", "n", "beam_width"],
+                    (lambda x: is_int(x) and x >= 1, "an int >= 1")),
+    **dict.fromkeys(["enable_prefix_caching", "ignore_eos", "live", "async_copies"],
+                    (lambda x: isinstance(x, bool), "a bool")),
 }
 
 
