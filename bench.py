@@ -279,8 +279,5 @@ if __name__ == "__main__":
     if args.json is not None:   # written last: the tables are printed whatever becomes of it
         figures = {"machine": machine, "model": args.model, "quick": args.quick,
                    "experiments": results}
-        try:
-            with open(args.json, "w") as f:
-                json.dump(figures, f, indent=1, default=str)
-        except OSError as e:
-            p.error(f"--json {args.json!r}: {e.strerror}")
+        with open(args.json, "w") as f:   # (checked writable before the first experiment)
+            json.dump(figures, f, indent=1, default=str)
