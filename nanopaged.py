@@ -1185,9 +1185,8 @@ def check_block_manager(bm):   # BlockManager.check_invariants: each rule, asser
         wrong = [b.block_id for b in pool.blocks if states[b.block_id] != 1]
         assert not wrong, f"partition: {pool.name} blocks {wrong}: not in one of free, cached, used"
         # of the blocks nobody holds, the cached ones, and only they, are registered (have a hash)
-        unheld = [b for b in pool.blocks if not b.ref_count]
-        wrong = [b.block_id for b in unheld
-                 if (b.hash is not None) != (b.block_id in pool.cached_block_ids)]
+        wrong = [b.block_id for b in pool.blocks if not b.ref_count
+                 and (b.hash is not None) != (b.block_id in pool.cached_block_ids)]
         assert not wrong, f"cached: {pool.name} blocks {wrong}: cached without a hash, or free with"
         registered = [b for b in pool.blocks if b.hash is not None]
         wrong = [b.block_id for b in registered if b.ref_count and pool is not bm.device]
@@ -1831,8 +1830,11 @@ class View:
         if height is None:
             return Group(*top, *self.sequences(width), *itertools.chain(*story))
         room = height - len(top)   # for the sequences (a header, rows, a count) and the events
-        if width < MIN_VIEW_WIDTH or room < 4:
-            return self.too_small(report, width, height, len(top) + 4)
+        if width < MIN_VIEW_WIDTH or room < 4:   # what fits: a note saying what the view needs
+            note = (f"step {report.step}: {len(story)} events. The terminal ({width}x{height}) is"
+                    f" too small for the view: it needs {MIN_VIEW_WIDTH} columns and "
+                    f"{len(top) + 4} rows")
+            return Group(*wrapped(note, width, indent=0)[:height])
         seqs = self.sequences(width, max(1, room - 3 - min(sum(map(len, story)), room // 2)))
         rows = room - len(seqs)   # at least 1: the events, or their count
         shown = []
@@ -1842,11 +1844,6 @@ class View:
                 break
             shown += event_rows
         return Group(*top, *seqs, *shown)
-
-    def too_small(self, report, width, height, rows):   # what fits: a note (rows: it needs)
-        note = (f"step {report.step}: {len(report.events)} events. The terminal ({width}x{height})"
-                f" is too small for the view: it needs {MIN_VIEW_WIDTH} columns and {rows} rows")
-        return Group(*wrapped(note, width, indent=0)[:height])
 
     def metrics(self, report, width):   # the pool's fill, then what the memory system did so far
         s, bm = report.stats, self.llm.block_manager
