@@ -776,8 +776,8 @@ def sample(logits, request, i):
         sorted_logits, order = logits.sort(descending=True)
         probs = sorted_logits.softmax(-1)
         drop = probs.cumsum(-1) - probs >= params.top_p   # the tokens after top_p is reached
-        drop = torch.zeros_like(drop).scatter(0, order, drop)   # back in vocabulary order
-        logits = logits.masked_fill(drop, float("-inf"))
+        # the kept logits, back in vocabulary order
+        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
     return int(torch.multinomial(logits.softmax(-1), 1, generator=request.generators[i]))
 
 
