@@ -1127,14 +1127,13 @@ def tokenize(llm, prompt):
 def checked_requests(llm, prompts, params, kind):   # [(token_ids, params)], all checked
     require(kind in (SamplingParams, BeamSearchParams),
             f"kind must be SamplingParams or BeamSearchParams, got {kind!r}")
-    require(params is not None or kind is SamplingParams,
-            "beam_search needs its params: BeamSearchParams(beam_width=...)")
     one_prompt = isinstance(prompts, (list, tuple)) and prompts and is_int(prompts[0])
     if isinstance(prompts, str) or one_prompt:
         prompts = [prompts]
     require(isinstance(prompts, (list, tuple)), "prompts must be a string, a list of strings or "
             f"of token-id lists, got {type(prompts).__name__}")
-    params = kind() if params is None else params
+    # None: SamplingParams() for generate; beam_search has no default (the loop below refuses it)
+    params = SamplingParams() if params is None and kind is SamplingParams else params
     params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
     require(len(params) == len(prompts),
             f"params: {len(params)} for {len(prompts)} prompts; give one, or one per prompt")
