@@ -2038,8 +2038,7 @@ def run_demo(llm, name, live=False, trace=False, delay=0.0):
 
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):   # bad input on the command line: one line, exit status 2
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
-        sys.exit(2)
+        self.exit(2, f"{self.prog}: error: {message}\n")   # (argparse's own prints its usage first)
 
 if __name__ == "__main__":
     p = ArgumentParser(
@@ -2066,7 +2065,7 @@ if __name__ == "__main__":
                    help="blocks a new prompt must leave free while others run (default: 1%% of "
                         "the pool)")
     args = p.parse_args()
-    if not (math.isfinite(args.delay) and 0 <= args.delay <= MAX_DELAY):
+    if not 0 <= args.delay <= MAX_DELAY:   # nan too
         p.error(f"argument --delay: must be seconds in [0, {MAX_DELAY}], got {args.delay}")
     if args.delay and not (args.live or args.trace):
         p.error("--delay pauses the view: give --live or --trace with it")
