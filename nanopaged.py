@@ -2077,7 +2077,6 @@ if __name__ == "__main__":
                 "max_num_batched_tokens")
     kwargs.update({k: getattr(args, k) for k in optional if getattr(args, k) is not None})
     kwargs["async_copies"] = kwargs["async_copies"] or args.async_copies
-    llm = None
     try:
         llm = LLM(args.model, device=args.device, **kwargs)
         if args.watermark_blocks is not None:   # (Scheduler's watermark: a fraction of the pool)
@@ -2085,8 +2084,8 @@ if __name__ == "__main__":
         seconds = run_demo(llm, args.demo, args.live, args.trace, args.delay)
     except ValueError as e:   # bad input: nothing ran
         p.error(str(e))
-    except KeyboardInterrupt:   # Ctrl-C: the view has given the terminal back
-        print(f"interrupted after step {llm.num_steps if llm else 0}")
+    except KeyboardInterrupt:   # Ctrl-C: the view has given the terminal back, its last frame
+        print("interrupted")   # (or the trace's last step) above
         sys.exit(130)
     for k, v in llm.stats().items():
         if args.trace and k.endswith("_seconds"):
