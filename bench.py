@@ -14,7 +14,6 @@ from statistics import fmean as mean
 
 import torch
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
@@ -23,7 +22,6 @@ from model import load_hf
 from nanopaged import LLM, SamplingParams
 
 console = Console(highlight=False)
-progress = Progress(console=console, transient=True)
 results = {}   # experiment -> its figures, for --json
 MAX_LEN = 256 + 128   # the most tokens a mixed-workload sample holds: pools sized to hold them all
 
@@ -61,21 +59,18 @@ def mixed_workload(llm, num_requests, seed=0, sample_every=0):
                                      max_tokens=rng.randint(8, 128), ignore_eos=True, seed=i))
     return prompts, params
 
-def run(llm, label, prompts, params):
+def run(llm, prompts, params):
     """Requests through the engine: (each output's token ids, seconds, the pool after each step)."""
-    task = progress.add_task(label, total=sum(p.max_tokens * p.n for p in params))
     seen = []
 
     def watch(step):
         seen.append(dict(step.stats, used_blocks=llm.block_manager.num_used_blocks(),
                          running_requests=len(llm.scheduler.running)))
-        progress.update(task, completed=step.stats["num_generated_tokens"])
 
     llm.on_step.append(watch)
     t0 = time.perf_counter()
     outs = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
     seconds = time.perf_counter() - t0
-    progress.remove_task(task)
     llm.on_step.remove(watch)   # watch refers to llm: left in, the engine would never be freed
     return outs, seconds, seen
 
@@ -116,7 +111,7 @@ def memory(args):
         llm = LLM("random:tiny", block_size=size, max_model_len=max_model_len,
                   num_blocks=slots // size)
         prompts, params = mixed_workload(llm, args.num_requests, sample_every=4)
-        _, _, seen = run(llm, f"block_size {size}", prompts, params)
+        _, _, seen = run(llm, prompts, params)
         wasted = [s["used_blocks"] * size * (1 - s["token_occupancy_perc"]) for s in seen]
         rows.append(["contiguous" if size == max_model_len else "paged", size,
                      mean(s["token_occupancy_perc"] for s in seen), round(mean(wasted)),
@@ -132,7 +127,7 @@ def throughput(args):
     num_blocks = args.num_requests * MAX_LEN // 16   # room for every request at once
     llm = LLM(args.model, device=args.device, num_blocks=num_blocks)
     prompts, params = mixed_workload(llm, args.num_requests)
-    ours, seconds, _ = run(llm, "throughput, nanopaged", prompts, params)
+    ours, seconds, _ = run(llm, prompts, params)
     hf = load_hf(args.model, llm.seed)[0].to(llm.device)   # the weights nanopaged runs
     num_tokens = sum(p.max_tokens for p in params)
     rows = [("nanopaged", seconds, num_tokens / seconds, 1.0, 1.0)]
@@ -176,14 +171,14 @@ def preemption(args):
     """The mixed workload (--quick: half) in a third of its peak need, in every preemption mode."""
     llm = LLM(args.model, device=args.device, num_blocks=args.num_requests * MAX_LEN // 16)
     prompts, params = mixed_workload(llm, args.num_requests // (2 if args.quick else 1), seed=2)
-    want, _, seen = run(llm, "preemption, unconstrained", prompts, params)
+    want, _, seen = run(llm, prompts, params)
     need = max(nanopaged.max_blocks_needed(llm, len(p), q) for p, q in zip(prompts, params))
     num_blocks = max(need, max(s["used_blocks"] for s in seen) // 3)
     rows = []
     for mode in ("recompute", "swap", "auto")[:2 if args.quick else 3]:   # --quick: no auto
         llm = LLM(args.model, device=args.device, num_blocks=num_blocks, preemption_mode=mode,
                   num_cpu_blocks=0 if mode == "recompute" else num_blocks)
-        got, seconds, _ = run(llm, f"preemption, {mode}", prompts, params)
+        got, seconds, _ = run(llm, prompts, params)
         s = llm.stats()
         rows.append((mode, s["num_preemptions"], s["num_swapped_out_blocks"],
                      s["num_generated_tokens"] / seconds, got == want))
@@ -272,15 +267,11 @@ if __name__ == "__main__":
     machine = f"{platform.machine()}, {torch.get_num_threads()} threads, {args.device or 'default'}"
     console.print(f"nanopaged bench: {args.model or 'SmolLM2-135M-Instruct'} on {machine}")
     t0 = time.perf_counter()
-    with progress:
-        for name in progress.track([args.only] if args.only else EXPERIMENTS, description="bench"):
-            EXPERIMENTS[name](args)
+    for name in [args.only] if args.only else EXPERIMENTS:
+        EXPERIMENTS[name](args)
     console.print(f"done in {time.perf_counter() - t0:.0f} s")
     if args.json is not None:   # written last: the tables are printed whatever becomes of it
         figures = {"machine": machine, "model": args.model, "quick": args.quick,
                    "experiments": results}
-        try:
-            with open(args.json, "w") as f:
-                json.dump(figures, f, indent=1, default=str)
-        except OSError as e:
-            p.error(f"--json {args.json!r}: {e.strerror}")
+        with open(args.json, "w") as f:   # (checked writable before the first experiment)
+            json.dump(figures, f, indent=1, default=str)

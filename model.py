@@ -48,9 +48,6 @@ PRESETS = {
     "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                                 num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
                                 rope_theta=100000.0, max_position_embeddings=8192),
-    "llama-1b": ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-                            num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
-                            rope_theta=500000.0, max_position_embeddings=131072),
 }
 
 # ----------------------------------------------------------------------------------------------

@@ -777,8 +777,8 @@ def sample(logits, request, i):
         sorted_logits, order = logits.sort(descending=True)
         probs = sorted_logits.softmax(-1)
         drop = probs.cumsum(-1) - probs >= params.top_p   # the tokens after top_p is reached
-        drop = torch.zeros_like(drop).scatter(0, order, drop)   # back in vocabulary order
-        logits = logits.masked_fill(drop, float("-inf"))
+        # the kept logits, back in vocabulary order
+        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
     return int(torch.multinomial(logits.softmax(-1), 1, generator=request.generators[i]))
 
 
@@ -1017,14 +1017,6 @@ def is_number(x):   # a finite int or float
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def int_at_least(low):   # a rule of ARG_RULES
-    return lambda x: is_int(x) and x >= low
-
-
-def is_bool(x):
-    return isinstance(x, bool)
-
-
 MIN_TEMPERATURE = 0.01   # logits / temperature overflow float32 near 1e-38; 0 means greedy
 MIN_TOP_P = 1e-6         # top_p is compared with float32 probabilities, where 1e-300 is 0
 MAX_LENGTH_PENALTY = 10  # 131072 ** 10 is about 1e51: no overflow, no division by zero
@@ -1040,11 +1032,6 @@ ARG_RULES = {
     "block_size": (lambda x: is_int(x) and x >= 1 and not x & (x - 1),
                    "a positive power of two (1, 2, 4, ... 16 ...)"),
     "num_blocks": (lambda x: x is None or is_int(x) and x >= 1, "None or an int >= 1"),
-    "num_cpu_blocks": (int_at_least(0), "an int >= 0"),
-    "num_disk_blocks": (int_at_least(0), "an int >= 0"),
-    "enable_prefix_caching": (is_bool, "a bool"),
-    "max_num_seqs": (int_at_least(1), "an int >= 1"),
-    "max_num_batched_tokens": (int_at_least(1), "an int >= 1"),
     "max_model_len": (lambda x: x is None or is_int(x) and x >= 1,
                       "None (the model's) or an int >= 1"),
     "preemption_mode": (lambda x: x in ("recompute", "swap", "auto"),
@@ -1054,18 +1041,19 @@ ARG_RULES = {
                     f"0 (greedy) or a number >= {MIN_TEMPERATURE}"),
     "top_p": (lambda x: is_number(x) and MIN_TOP_P <= x <= 1,
               f"a number in (0, 1], at least {MIN_TOP_P}"),
-    "top_k": (int_at_least(0), "an int >= 0 (0 keeps every token)"),
-    "max_tokens": (int_at_least(1), "an int >= 1"),
-    "n": (int_at_least(1), "an int >= 1"),
-    "ignore_eos": (is_bool, "a bool"),
-    "beam_width": (int_at_least(1), "an int >= 1"),
+    "top_k": (lambda x: is_int(x) and x >= 0, "an int >= 0 (0 keeps every token)"),
     "length_penalty": (lambda x: is_number(x) and abs(x) <= MAX_LENGTH_PENALTY,   # a finite power
                        f"a number in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}]"),
-    "live": (is_bool, "a bool"),
-    "async_copies": (is_bool, "a bool"),
     "tier_gbps": (lambda x: x is None or isinstance(x, dict) and all(
         k in ("host", "disk") and is_number(v) and v > 0 for k, v in x.items()),
                   "None or a dict of GB/s > 0 by tier, such as {'host': 16, 'disk': 2}"),
+    # the rules several parameters share
+    **dict.fromkeys(["num_cpu_blocks", "num_disk_blocks"],
+                    (lambda x: is_int(x) and x >= 0, "an int >= 0")),
+    **dict.fromkeys(["max_num_seqs", "max_num_batched_tokens", "max_tokens", "n", "beam_width"],
+                    (lambda x: is_int(x) and x >= 1, "an int >= 1")),
+    **dict.fromkeys(["enable_prefix_caching", "ignore_eos", "live", "async_copies"],
+                    (lambda x: isinstance(x, bool), "a bool")),
 }
 
 
@@ -1076,14 +1064,14 @@ def check_args(**args):   # each by its rule in ARG_RULES
 
 
 def writable(path):   # can a file be written at path? Tried: os.access says yes to root
-    folder = os.path.dirname(os.path.abspath(path or "."))
-    other = os.path.lexists(path) and not os.path.isfile(path)   # a folder, a FIFO, a dead link
-    if not path or other or not os.path.isdir(folder):
+    # refused unopened: a folder, a FIFO (opening one waits for a reader), a dead link (opening
+    # one makes its target)
+    if not path or os.path.lexists(path) and not os.path.isfile(path):
         return False
     existed = os.path.exists(path)
-    try:
+    try:   # (no such folder, a read-only one, a name ending in a separator: an OSError)
         open(path, "a").close()
-    except OSError:
+    except (OSError, ValueError):   # ValueError: a NUL in the name
         return False
     if not existed:
         os.remove(path)
@@ -1099,8 +1087,7 @@ def check_engine_args(device, disk_path, **args):
     require(kind != "cuda" or int(index or 0) < torch.cuda.device_count(),   # 0 without CUDA
             f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA devices")
     given = os.fspath(disk_path) if isinstance(disk_path, (str, os.PathLike)) else ""
-    a_name = "\0" not in given and not given.endswith(os.sep)   # lexists: a dead link is no file
-    new_file = a_name and not os.path.lexists(given) and writable(given)
+    new_file = not os.path.lexists(given) and writable(given)   # lexists: a dead link is taken
     require(disk_path is None or new_file, "disk_path must be None (a temporary file) or a new "
             f"file in a folder you may write (removed with the engine), got {disk_path!r}")
     require(disk_path is None or args["num_disk_blocks"] > 0,
@@ -1111,19 +1098,17 @@ def check_engine_args(device, disk_path, **args):
             "preemption_mode='swap' needs a host pool: num_cpu_blocks > 0")
 
 
-def require_memory(num_bytes, what):   # refused as "<what> this machine's memory (N GiB)"
+def check_loaded_model(llm, max_model_len, num_blocks, num_cpu_blocks, bytes_per_block):
+    """What can only be checked once the model is known: its length, its block size in bytes."""
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError):   # the system does not say: no check
-        return
-    require(num_bytes <= ram, f"{what} this machine's memory ({ram >> 30} GiB)")
-
-def check_loaded_model(llm, max_model_len, num_blocks, num_cpu_blocks, bytes_per_block):
-    """What can only be checked once the model is known: its length, its block size in bytes."""
+        ram = math.inf
     on_cpu = llm.device.type == "cpu"
     in_ram = num_cpu_blocks + (num_blocks if on_cpu else 0)   # on a CPU the device is RAM too
-    require_memory(in_ram * bytes_per_block, f"num_blocks {num_blocks} (device) and "
-                   f"num_cpu_blocks {num_cpu_blocks} (host) of {bytes_per_block} bytes exceed")
+    require(in_ram * bytes_per_block <= ram, f"num_blocks {num_blocks} (device) and num_cpu_blocks "
+            f"{num_cpu_blocks} (host) of {bytes_per_block} bytes exceed this machine's memory "
+            f"({ram / 2**30:.0f} GiB)")
     free = math.inf if on_cpu else torch.cuda.mem_get_info(llm.device)[0]
     require(num_blocks * bytes_per_block <= free, f"num_blocks {num_blocks} of {bytes_per_block} "
             f"bytes exceed the {free / 2**30:.1f} GiB free on {llm.device}")
@@ -1143,14 +1128,13 @@ def tokenize(llm, prompt):
 def checked_requests(llm, prompts, params, kind):   # [(token_ids, params)], all checked
     require(kind in (SamplingParams, BeamSearchParams),
             f"kind must be SamplingParams or BeamSearchParams, got {kind!r}")
-    require(params is not None or kind is SamplingParams,
-            "beam_search needs its params: BeamSearchParams(beam_width=...)")
     one_prompt = isinstance(prompts, (list, tuple)) and prompts and is_int(prompts[0])
     if isinstance(prompts, str) or one_prompt:
         prompts = [prompts]
     require(isinstance(prompts, (list, tuple)), "prompts must be a string, a list of strings or "
             f"of token-id lists, got {type(prompts).__name__}")
-    params = kind() if params is None else params
+    # None: SamplingParams() for generate; beam_search has no default (the loop below refuses it)
+    params = SamplingParams() if params is None and kind is SamplingParams else params
     params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
     require(len(params) == len(prompts),
             f"params: {len(params)} for {len(prompts)} prompts; give one, or one per prompt")
@@ -1201,9 +1185,8 @@ def check_block_manager(bm):   # BlockManager.check_invariants: each rule, asser
         wrong = [b.block_id for b in pool.blocks if states[b.block_id] != 1]
         assert not wrong, f"partition: {pool.name} blocks {wrong}: not in one of free, cached, used"
         # of the blocks nobody holds, the cached ones, and only they, are registered (have a hash)
-        unheld = [b for b in pool.blocks if not b.ref_count]
-        wrong = [b.block_id for b in unheld
-                 if (b.hash is not None) != (b.block_id in pool.cached_block_ids)]
+        wrong = [b.block_id for b in pool.blocks if not b.ref_count
+                 and (b.hash is not None) != (b.block_id in pool.cached_block_ids)]
         assert not wrong, f"cached: {pool.name} blocks {wrong}: cached without a hash, or free with"
         registered = [b for b in pool.blocks if b.hash is not None]
         wrong = [b.block_id for b in registered if b.ref_count and pool is not bm.device]
@@ -1815,9 +1798,7 @@ class View:
         self.console = console or (Console(highlight=False) if live else
                                    Console(highlight=False, color_system=None, width=80))
         self.delay = delay          # seconds to pause after a step, and as many per event it shows
-        self.rich_live = None    # while live: rich's Live
-        self.last_frame = None   # and the frame it shows
-        self.draw_seconds = 0.0     # time spent drawing: the view's own cost
+        self.rich_live = None   # while live: rich's Live, which keeps the frame it shows
 
     def __enter__(self):
         self.llm.on_step.append(self)
@@ -1830,18 +1811,14 @@ class View:
         self.llm.on_step.remove(self)
         if self.rich_live is not None:
             self.rich_live.stop()   # the terminal is the user's again, after Ctrl-C too
-            if self.last_frame is not None:
-                self.console.print(self.last_frame)
+            self.console.print(self.rich_live.get_renderable())   # the last frame stays
 
     def __call__(self, report):
-        t0 = time.perf_counter()
         if self.rich_live is not None:
-            self.last_frame = self.frame(report, self.console.height)
-            self.rich_live.update(self.last_frame, refresh=True)
+            self.rich_live.update(self.frame(report, self.console.height), refresh=True)
         elif not self.live:
             self.console.rule(f"step {report.step}", characters="-")
             self.console.print(self.frame(report))
-        self.draw_seconds += time.perf_counter() - t0
         time.sleep(self.delay * (1 + len(report.events)))
 
     def frame(self, report, height=None):
@@ -1854,8 +1831,11 @@ class View:
         if height is None:
             return Group(*top, *self.sequences(width), *itertools.chain(*story))
         room = height - len(top)   # for the sequences (a header, rows, a count) and the events
-        if width < MIN_VIEW_WIDTH or room < 4:
-            return self.too_small(report, width, height, len(top) + 4)
+        if width < MIN_VIEW_WIDTH or room < 4:   # what fits: a note saying what the view needs
+            note = (f"step {report.step}: {len(story)} events. The terminal ({width}x{height}) is"
+                    f" too small for the view: it needs {MIN_VIEW_WIDTH} columns and "
+                    f"{len(top) + 4} rows")
+            return Group(*wrapped(note, width, indent=0)[:height])
         seqs = self.sequences(width, max(1, room - 3 - min(sum(map(len, story)), room // 2)))
         rows = room - len(seqs)   # at least 1: the events, or their count
         shown = []
@@ -1865,11 +1845,6 @@ class View:
                 break
             shown += event_rows
         return Group(*top, *seqs, *shown)
-
-    def too_small(self, report, width, height, rows):   # what fits: a note (rows: it needs)
-        note = (f"step {report.step}: {len(report.events)} events. The terminal ({width}x{height})"
-                f" is too small for the view: it needs {MIN_VIEW_WIDTH} columns and {rows} rows")
-        return Group(*wrapped(note, width, indent=0)[:height])
 
     def metrics(self, report, width):   # the pool's fill, then what the memory system did so far
         s, bm = report.stats, self.llm.block_manager
@@ -2043,14 +2018,13 @@ def demo_pool(name, block_size):   # DEMO_POOLS counts 4-token blocks: smaller o
     return {"async_copies": False, **pool}   # blocking but in overlap: each trace repeats exactly
 
 def run_demo(llm, name, live=False, trace=False, delay=0.0):
-    """Run a demo (every request checked first), print its outputs; return its seconds, its View."""
+    """Run a demo (every request checked first), print its outputs; return its seconds."""
     arrivals = demo_arrivals(name, demo_text(llm))
     for _, prompts, params in arrivals:
         checked_requests(llm, prompts, params, type(params))
-    view = View(llm, live, None, delay) if live or trace else None
     t0 = time.perf_counter()
     request_ids = []
-    with view or contextlib.nullcontext():
+    with View(llm, live, None, delay) if live or trace else contextlib.nullcontext():
         for step, prompts, params in arrivals:
             while llm.num_steps < step and llm.scheduler.has_unfinished():
                 llm.step()
@@ -2062,12 +2036,11 @@ def run_demo(llm, name, live=False, trace=False, delay=0.0):
         for c in out.sequences if beams else out.outputs:
             how = f"score {c.score:.3f}" if beams else c.finish_reason
             print(f"[{out.request_id}] {c.text or c.token_ids!r}  ({how})")
-    return time.perf_counter() - t0, view
+    return time.perf_counter() - t0
 
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):   # bad input on the command line: one line, exit status 2
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
-        sys.exit(2)
+        self.exit(2, f"{self.prog}: error: {message}\n")   # (argparse's own prints its usage first)
 
 if __name__ == "__main__":
     p = ArgumentParser(
@@ -2094,7 +2067,7 @@ if __name__ == "__main__":
                    help="blocks a new prompt must leave free while others run (default: 1%% of "
                         "the pool)")
     args = p.parse_args()
-    if not (math.isfinite(args.delay) and 0 <= args.delay <= MAX_DELAY):
+    if not 0 <= args.delay <= MAX_DELAY:   # nan too
         p.error(f"argument --delay: must be seconds in [0, {MAX_DELAY}], got {args.delay}")
     if args.delay and not (args.live or args.trace):
         p.error("--delay pauses the view: give --live or --trace with it")
@@ -2106,24 +2079,19 @@ if __name__ == "__main__":
                 "max_num_batched_tokens")
     kwargs.update({k: getattr(args, k) for k in optional if getattr(args, k) is not None})
     kwargs["async_copies"] = kwargs["async_copies"] or args.async_copies
-    llm = None
     try:
-        loading = Console(stderr=True).status("loading the model") if args.live else None
-        with loading or contextlib.nullcontext():
-            llm = LLM(args.model, device=args.device, **kwargs)
+        llm = LLM(args.model, device=args.device, **kwargs)
         if args.watermark_blocks is not None:   # (Scheduler's watermark: a fraction of the pool)
             llm.scheduler.watermark_blocks = args.watermark_blocks
-        seconds, view = run_demo(llm, args.demo, args.live, args.trace, args.delay)
+        seconds = run_demo(llm, args.demo, args.live, args.trace, args.delay)
     except ValueError as e:   # bad input: nothing ran
         p.error(str(e))
-    except KeyboardInterrupt:   # Ctrl-C: the view has given the terminal back
-        print(f"interrupted after step {llm.num_steps if llm else 0}")
+    except KeyboardInterrupt:   # Ctrl-C: the view has given the terminal back, its last frame
+        print("interrupted")   # (or the trace's last step) above
         sys.exit(130)
     for k, v in llm.stats().items():
         if args.trace and k.endswith("_seconds"):
             continue   # a trace repeats exactly: it prints no timings
         print(f"{k:28} {v:.3f}" if isinstance(v, float) else f"{k:28} {v}")
     if not args.trace:   # a trace repeats exactly: it prints no timings
-        drawing = f", {view.draw_seconds / seconds:.1%} of it drawing the view" if args.live else ""
-        print(f"{llm.num_generated_tokens / seconds:.1f} tokens/s generated in {seconds:.1f} s"
-              + drawing)
+        print(f"{llm.num_generated_tokens / seconds:.1f} tokens/s generated in {seconds:.1f} s")
