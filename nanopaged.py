@@ -1390,7 +1390,8 @@ class Links:
         self.kv_caches[dst_tier.name][:, :, dst].copy_(self.kv_caches[src_tier.name][:, :, src])
         link = max(src_tier.name, dst_tier.name, key=TIERS.index)   # the lower tier's link
         self.bytes_moved[link] += self.bytes_per_block
-        time.sleep(max(0.0, self.seconds.get(link, 0.0) - (time.perf_counter() - t0)))
+        if link in self.seconds:   # held until bytes / bandwidth have passed
+            time.sleep(max(0.0, self.seconds[link] - (time.perf_counter() - t0)))
         self.busy_seconds += time.perf_counter() - t0
 
 class CopyEngine:
