@@ -236,7 +236,7 @@ TRACE_WORDS = {   # what each demo's trace must show: the plain words of the eve
     "watermark": ["the watermark keeps 1 free"],
     "tiers": ["written down to host block", "written down to disk block", "in the host tier: loaded into",
               "in the disk tier: loaded into"],
-    "overlap": ["in the disk tier: loaded into", "copies made in the background", "loading"],   # in the key
+    "overlap": ["in the disk tier: loaded into", "copies made in the background", "~: in flight"],
 }
 
 
