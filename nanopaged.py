@@ -1422,6 +1422,7 @@ class CopyEngine:
         self.thread.join()
 
     def work(self, links):   # the worker thread
+        torch.set_num_threads(1)   # (this thread's): no OpenMP team of its own to spin on the cores
         while (item := self.queue.get()) is not None:
             ticket, copy, ready = item
             try:
