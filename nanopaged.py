@@ -1505,9 +1505,10 @@ WRITE_AHEAD = 0.25   # async_copies: the part of the device pool kept ready to e
 WRITE_AHEAD_PER_STEP = 4   # blocks at most, a step whose start finds the link idle
 
 def write_ahead(bm, num_blocks):
-    """Write-through ahead of eviction: the first num_blocks cached device blocks in eviction
-    order, less the free ones, get a copy in the tier below (in the background), and stay cached;
-    evicting one later makes no copy, so a step never waits for one to reuse its block."""
+    """Write-back done ahead of need (not write-through: only blocks about to be evicted): the
+    first num_blocks cached device blocks in eviction order, less the free ones, get a copy in the
+    tier below (in the background) and stay cached; evicting one later makes no copy, so a step
+    need not wait for a write-down to reuse its block."""
     lower = [t for t in bm.tiers[1:] if t.num_free_blocks and bm._worth_loading(t)]
     next_out = itertools.islice(bm.device.cached_block_ids,
                                 max(0, num_blocks - len(bm.device.free_block_ids)))
