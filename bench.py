@@ -217,15 +217,12 @@ def multiturn(args):
             chats[i % num_chats] += out.outputs[0].token_ids
             ttft.append(out.ttft)
         seconds = time.perf_counter() - t0
-        s, cost = llm.stats(), llm.block_manager.cost
+        s = llm.stats()
         # links beside a GPU: a block over PCIe in 4 tokens' compute, over NVMe in 12 (recompute:
         # 16), scaled to this machine: the device-only run's seconds a token computed
         per_token = seconds / (s["num_prefill_tokens_computed"] + s["num_generated_tokens"])
         gbps = gbps or {t: llm.links.bytes_per_block / (k * per_token) / 1e9
                         for t, k in (("host", 4), ("disk", 12))}
-        if not slow:   # the links as timed at start-up (the last such row has both tiers)
-            measured = {t: llm.links.bytes_per_block / cost.seconds_per_block[t] / 1e9
-                        for t in ("host", "disk")}
         below = [s[f"{t}_prefix_cache_hits"] for t in ("host", "disk")]   # tokens found below
         hits = [s["prefix_cache_hits"] - sum(below), *below]
         rates = " ".join(f"{h / s['prefix_cache_queries']:.0%}" for h in hits)
@@ -243,9 +240,8 @@ def multiturn(args):
            f"NVMe beside a GPU (host {gbps['host']:.3g}, disk {gbps['disk']:.3g} GB/s), copies in "
            f"the background bring the first token {rows[4][3] / rows[6][3]:.1f}x sooner, "
            f"{rows[6][5] / rows[4][5]:.1f}x the tokens/s, {rows[6][6]:.2f} s waited on copies "
-           f"against {rows[4][6]:.2f} s. The links as timed at start-up, unslowed: "
-           f"{', '.join(f'{t} {v:.1f} GB/s' for t, v in measured.items())}. On a CPU the device "
-           "is host memory too; the disk file may sit in the page cache.")
+           f"against {rows[4][6]:.2f} s. On a CPU the device is host memory too, and the disk "
+           "file may sit in the page cache: unslowed, both links are memory copies.")
 
 EXPERIMENTS = {f.__name__: f for f in (memory, throughput, prefix, preemption, multiturn)}
 

@@ -1397,17 +1397,20 @@ class Links:
 class CopyEngine:
     """async_copies=True: the copies between tiers are made on a worker thread (torch's copies
     let go of the GIL; on CUDA on a side stream, after an event of the step that queued them),
-    one at a time in the order they were queued, while the steps compute. A request with a block
-    in flight sits steps out (loading) until its copies are made; copy-on-write is made at once,
-    on the step's path. A step whose every request is loading waits for the first."""
+    while the steps compute. A request with a block in flight sits steps out (loading) until its
+    copies are made; copy-on-write is made at once, on the step's path; a step whose every request
+    is loading waits for the first. The copies of the request that waits for the fewest go first
+    (its loads or swap-ins, the write-down that frees its new block: it runs soonest), the rest
+    in the order queued; a block's copies always in the order queued."""
 
     def __init__(self, llm):
-        self.queue = queue.SimpleQueue()   # (ticket, copy, ready event) in order; None: stop
+        self.queue = queue.SimpleQueue()   # (ticket, copy, ready event, after); None: stop
         self.tickets = itertools.count(1)  # each queued copy's number
-        self.queued = 0        # the last ticket queued
-        self.made = 0          # every copy up to this ticket is made (or failed)
+        self.unmade = set()    # the tickets queued and not yet made (nor failed)
         self.in_flight = {}    # (tier name, block id) -> the last ticket that reads or writes it
-        self.started = deque()   # (ticket, copy) queued, until the trace tells it made
+                               # (the view's ~: those in flight at the step's start)
+        self.started = {}      # ticket -> copy, queued, until the trace tells it made
+        self.urgent = set()    # the copies of the request that waits for the fewest: made first
         self.failed = None     # (the exception, the copies never made) once a copy raised
         self.done = threading.Condition()
         self.stream = torch.cuda.Stream(llm.device) if llm.device.type == "cuda" else None
@@ -1415,7 +1418,7 @@ class CopyEngine:
         self.thread = threading.Thread(target=self.work, args=(llm.links,), daemon=True)
         self.thread.start()
         weakref.finalize(llm, self.queue.put, None)   # the worker ends with the engine,
-        atexit.register(self.stop)   # or at exit, once its copies are made (never cut mid-copy)
+        atexit.register(self.stop)   # or at exit, its copy in progress made (never cut mid-copy)
 
     def stop(self):
         self.queue.put(None)
@@ -1423,8 +1426,15 @@ class CopyEngine:
 
     def work(self, links):   # the worker thread
         torch.set_num_threads(1)   # (this thread's): no OpenMP team of its own to spin on the cores
-        while (item := self.queue.get()) is not None:
-            ticket, copy, ready = item
+        received = {}   # ticket -> (copy, ready, after): queued, not yet made
+        while True:
+            while not received or not self.queue.empty():   # (waits only with nothing to make)
+                if (item := self.queue.get()) is None:   # stop (at exit: what is left unmade)
+                    return
+                received[item[0]] = item[1:]
+            free = [t for t, (_, _, after) in received.items() if not after & received.keys()]
+            ticket = min(free, key=lambda t: (t not in self.urgent, t))
+            copy, ready, _ = received.pop(ticket)
             try:
                 with torch.cuda.stream(self.stream):   # (None: no stream, on a CPU)
                     if ready is not None:
@@ -1436,73 +1446,68 @@ class CopyEngine:
             if self.failed is not None and copy is not None:
                 self.failed[1].append(copy)
             with self.done:
-                self.made = ticket
+                self.unmade.discard(ticket)
                 self.done.notify_all()
 
     def start(self, llm, batch):
         """Queue the step's copies, then return batch without the requests still loading."""
-        ready = torch.cuda.Event() if self.stream else None
-        if ready is not None:
-            ready.record()
+        ready = torch.cuda.current_stream().record_event() if self.stream else None
         copies, events = llm.block_manager.copies, llm.events
-        if self.queued <= self.made:   # the link is idle: loads never wait behind these
-            write_ahead(llm.block_manager, int(WRITE_AHEAD * llm.block_manager.num_blocks))
+        write_ahead(llm.block_manager, int(WRITE_AHEAD * llm.block_manager.num_blocks))
         while copies:
             src_tier, src, dst_tier, dst = copies[0]
+            keys = [(src_tier.name, src), (dst_tier.name, dst)]
+            after = {self.in_flight.get(key, 0) for key in keys} & self.unmade
             if src_tier is dst_tier:   # copy-on-write: after what is in flight on its blocks
-                self.wait(max(self.in_flight.get((t.name, b), 0) for t, b in
-                              [(src_tier, src), (dst_tier, dst)]))
+                self.wait(after)
                 llm.links.copy(*copies[0])
             else:   # (a Ctrl-C anywhere here: the undo's flush waits for whatever was queued)
                 ticket = next(self.tickets)
-                self.in_flight[src_tier.name, src] = self.in_flight[dst_tier.name, dst] = ticket
-                self.queue.put((ticket, copies[0], ready))
-                self.queued = ticket
-                self.started.append((ticket, copies[0]))
+                self.unmade.add(ticket)
+                self.in_flight.update(dict.fromkeys(keys, ticket))
+                self.queue.put((ticket, copies[0], ready, after))
+                self.started[ticket] = copies[0]
             copies.popleft()
         if self.failed is not None:   # a copy raised: so does the step (undone, section 9)
             raise RuntimeError(f"a block copy failed: {self.failed[0]!r}") from self.failed[0]
-        requests = {e.request: self.last_ticket(e.request) for e in batch.entries}
-        if requests and all(t > self.made for t in requests.values()):   # nobody can run:
-            self.wait(min(requests.values()))   # until the first of them can
-        done, made = self.made, []   # one moment for what has arrived and who still waits
-        while self.started and self.started[0][0] <= done:
-            made.append(self.started.popleft()[1])
-        self.in_flight = {key: t for key, t in self.in_flight.items() if t > done}
+        waits = {e.request: self.loading(e.request) for e in batch.entries}
+        self.urgent = min(filter(None, waits.values()), key=len, default=set())
+        if waits and all(waits.values()):   # nobody can run: until the first of them can
+            self.wait(*waits.values())
+        unmade = set(self.unmade)   # one moment for what has arrived and who still waits
+        made = [self.started.pop(t) for t in list(self.started) if t not in unmade]
+        self.in_flight = {key: t for key, t in self.in_flight.items() if t in unmade}
         if made:
             arrived = _ids([dst for _, _, dst_tier, dst in made if dst_tier.name == "device"])
             events.record("copies made", num_copies=len(made),
                           arrived=f" (device blocks {arrived} arrived)" if arrived else "")
-        for request, ticket in requests.items():
-            if ticket > done:
+        for request, tickets in waits.items():
+            if tickets & unmade:
                 batch.remove(request)
                 events.record("loading", [s.seq_id for s in request.seqs])
         return batch
 
-    def blocks_in_flight(self, tier):   # (the view) tier's blocks a copy still reads or writes
-        return {b for (t, b), ticket in self.in_flight.items()
-                if t == tier.name and ticket > self.made}
+    def loading(self, request):   # the copies its device blocks still wait for (empty: none)
+        keys = [("device", b) for s in request.seqs for b in s.block_table]
+        return {self.in_flight.get(key, 0) for key in keys} & self.unmade
 
-    def last_ticket(self, request):   # the last copy its device blocks wait for (0: none)
-        blocks = [("device", b) for s in request.seqs for b in s.block_table]
-        return max((self.in_flight.get(key, 0) for key in blocks), default=0)
-
-    def wait(self, ticket):   # until the copies up to ticket are made: the step waits
+    def wait(self, *tickets):   # until one of the sets of tickets is all made: the step waits
         t0 = time.perf_counter()
         with self.done:
-            self.done.wait_for(lambda: self.made >= ticket)
+            self.done.wait_for(lambda: any(not t & self.unmade for t in tickets))
         self.copy_wait_seconds += time.perf_counter() - t0
 
     def finish(self):   # (Undo) every copy queued made or failed; returns the blocks never made
         flush = next(self.tickets)   # after all that were queued, a copy of nothing
-        self.queue.put((flush, None, None))
-        self.wait(flush)
-        self.in_flight, self.started = {}, deque()
+        after = set(self.unmade)
+        self.unmade.add(flush)
+        self.queue.put((flush, None, None, after))
+        self.wait({flush})
+        self.unmade, self.in_flight, self.started = set(), {}, {}   # (a ticket Ctrl-C cut off)
         unmade, self.failed = (self.failed or (None, []))[1], None
         return {(dst_tier, dst) for _, _, dst_tier, dst in unmade}
 
 WRITE_AHEAD = 0.25   # async_copies: the part of the device pool kept ready to evict without a copy
-WRITE_AHEAD_PER_STEP = 4   # blocks at most, a step whose start finds the link idle
 
 def write_ahead(bm, num_blocks):
     """Write-back done ahead of need (not write-through: only blocks about to be evicted): the
@@ -1514,7 +1519,7 @@ def write_ahead(bm, num_blocks):
                                 max(0, num_blocks - len(bm.device.free_block_ids)))
     blocks = [bm.device.blocks[b] for b in next_out]
     blocks = [b for b in blocks if not bm._lookup(lower, b.hash, b.token_ids, b.parent_prefix_id)]
-    for block in blocks[:WRITE_AHEAD_PER_STEP] if lower else ():
+    for block in blocks if lower else ():
         bm._write_down(bm.device, block, lower[0], "write ahead")
 
 def ms(seconds):   # a measured time, as the trace prints it
@@ -1911,7 +1916,7 @@ class View:
             rows = max(1, max_rows // len(tiers)) if max_rows else math.inf   # None: all blocks
             per_cell = max(1, math.ceil(len(pool.blocks) / (n * rows)))
             engine = self.llm.copy_engine
-            flying = engine.blocks_in_flight(pool) if engine else ()
+            flying = {b for t, b in engine.in_flight if t == pool.name} if engine else ()
             cells = self._cells(pool.blocks, pool.seqs.values(), per_cell, flying)
             lines += [Text(f"{pool.name if i == 0 else '':<6}{i * per_cell:>5} ") + cells[i:i + n]
                       for i in range(0, len(cells), n)]   # each row led by its first block's id
@@ -1937,7 +1942,7 @@ class View:
             table = where + table_text(pool.blocks, seq.block_table, 26 - len(where))
             line = Text(f"{seq.seq_id:>5} {seq.request_id:>4}", HOLDER_COLOURS[seq.request_id % 8])
             engine = self.llm.copy_engine   # loading: its blocks in flight (section 8)
-            loading = engine and engine.last_ticket(request) > engine.made
+            loading = engine and engine.loading(request)
             state = "loading" if loading else request.status.value
             line.append(f"  {state:<8} {seq.num_written_tokens:>4}/{len(seq):<4}  "
                         f"{table:<26} ")

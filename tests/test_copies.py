@@ -3,6 +3,7 @@ steps compute. Random block-manager operations with copies finishing at moments 
 not choose never let the model read or write a block a copy still reads or writes; the engine
 gives a blocking run's tokens over slow links, with a request loading while others run."""
 import threading
+from collections import Counter
 from unittest import mock
 
 import torch
@@ -73,8 +74,8 @@ class CopyEngineMachine(BlockManagerMachine):
 
     def pending(self, tier):
         """Blocks of tier a queued copy reads or writes and has not yet: the truth, not the
-        engine's bookkeeping (the worker makes the copies in the order they were queued)."""
-        queued = self.engine.queue.copies[len(self.links.made):]
+        engine's bookkeeping (the worker makes loads first, so not in the order queued)."""
+        queued = Counter(self.engine.queue.copies) - Counter(self.links.made)
         return {b for src, s, dst, d in queued for pool, b in ((src, s), (dst, d))
                 if pool.name == tier}
 
@@ -95,7 +96,7 @@ class CopyEngineMachine(BlockManagerMachine):
             flying = self.pending("device") & set(entry.seq.block_table)
             assert not flying, f"seq {entry.seq.seq_id} runs on blocks in flight: {flying}"
         if entries[0] not in batch.entries:   # loading: a later step runs it, once they arrive
-            self.engine.wait(self.engine.last_ticket(entries[0].request))
+            self.engine.wait(self.engine.loading(entries[0].request))
             self.holds_back += 1
         assert not self.pending("device") & set(seq.block_table), "written in flight"
         super().write(seq, start)   # (its make_copies finds nothing new queued)
@@ -106,7 +107,7 @@ class CopyEngineMachine(BlockManagerMachine):
 
     @rule()
     def every_copy_finishes(self):
-        self.engine.wait(self.engine.queued)
+        self.engine.wait(set(self.engine.unmade))
 
     @invariant()
     def every_sequence_reads_its_own_tokens(self):
@@ -169,6 +170,40 @@ def test_the_machine_reaches_a_request_held_back_while_its_blocks_are_in_flight(
     assert m.bm.num_loaded_blocks > loaded and m.holds_back == held + 1
     m.every_sequence_reads_its_own_tokens()
     m.teardown()
+
+
+class OrderedLinks:
+    """Links that record the order of the copies they make; each waits for the gate."""
+
+    def __init__(self):
+        self.gate = threading.Event()
+        self.made = []
+
+    def copy(self, *copy):
+        self.gate.wait()
+        self.made.append(copy)
+
+
+def test_the_request_that_waits_for_the_fewest_copies_gets_them_first():
+    """A's three loads are queued before B's one, the link held: B's load is made first, or
+    second if the worker took A's first before B's was queued; B runs first; A's in order."""
+    bm = nanopaged.BlockManager(8, BLOCK_SIZE, num_cpu_blocks=8, events=nanopaged.EventLog())
+    holder = Holder()
+    holder.device, holder.links = torch.device("cpu"), OrderedLinks()
+    holder.block_manager, holder.events = bm, bm.events
+    engine = CopyEngine(holder)
+    loads = [(bm.host, b, bm.device, b) for b in range(4)]   # A: blocks 0-2, B: block 3
+    bm.copies.extend(loads)
+    a, b = (nanopaged.Sequence([1] * BLOCK_SIZE * n) for n in (3, 1))
+    a.block_table, b.block_table = [0, 1, 2], [3]
+    batch = ScheduledBatch(10**6, [ScheduledSeq(Request([s]), s, 1) for s in (a, b)])
+    threading.Timer(0.2, holder.links.gate.set).start()   # (start() waits for B: nobody can run)
+    ran = engine.start(holder, batch)
+    assert [e.seq for e in ran.entries][-1] is b
+    engine.wait(set(engine.unmade))
+    made = holder.links.made   # (A's first may have been taken before B's was queued)
+    assert made.index(loads[3]) <= 1 and [c for c in made if c != loads[3]] == loads[:3]
+    engine.stop()
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
