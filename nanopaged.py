@@ -1451,7 +1451,6 @@ class CopyEngine:
 
     def start(self, llm, batch):
         """Queue the step's copies, then return batch without the requests still loading."""
-        ready = torch.cuda.current_stream().record_event() if self.stream else None
         copies, events = llm.block_manager.copies, llm.events
         write_ahead(llm.block_manager, int(WRITE_AHEAD * llm.block_manager.num_blocks))
         while copies:
@@ -1462,19 +1461,20 @@ class CopyEngine:
                 self.wait(after)
                 llm.links.copy(*copies[0])
             else:   # (a Ctrl-C anywhere here: the undo's flush waits for whatever was queued)
-                ticket = next(self.tickets)
+                ticket = next(self.tickets)   # (on CUDA after the K/V written so far: an event)
+                ready = torch.cuda.current_stream().record_event() if self.stream else None
                 self.unmade.add(ticket)
                 self.in_flight.update(dict.fromkeys(keys, ticket))
                 self.queue.put((ticket, copies[0], ready, after))
                 self.started[ticket] = copies[0]
             copies.popleft()
-        if self.failed is not None:   # a copy raised: so does the step (undone, section 9)
-            raise RuntimeError(f"a block copy failed: {self.failed[0]!r}") from self.failed[0]
         waits = {e.request: self.loading(e.request) for e in batch.entries}
         self.urgent = min(filter(None, waits.values()), key=len, default=set())
         if waits and all(waits.values()):   # nobody can run: until the first of them can
             self.wait(*waits.values())
         unmade = set(self.unmade)   # one moment for what has arrived and who still waits
+        if self.failed is not None:   # a copy raised (set before it left unmade): the step too
+            raise RuntimeError(f"a block copy failed: {self.failed[0]!r}") from self.failed[0]
         made = [self.started.pop(t) for t in list(self.started) if t not in unmade]
         self.in_flight = {key: t for key, t in self.in_flight.items() if t in unmade}
         if made:
@@ -1508,6 +1508,7 @@ class CopyEngine:
         return {(dst_tier, dst) for _, _, dst_tier, dst in unmade}
 
 WRITE_AHEAD = 0.25   # async_copies: the part of the device pool kept ready to evict without a copy
+WRITE_AHEAD_PER_STEP = 4   # blocks at most a step: the worker's queue stays short
 
 def write_ahead(bm, num_blocks):
     """Write-back done ahead of need (not write-through: only blocks about to be evicted): the
@@ -1519,7 +1520,7 @@ def write_ahead(bm, num_blocks):
                                 max(0, num_blocks - len(bm.device.free_block_ids)))
     blocks = [bm.device.blocks[b] for b in next_out]
     blocks = [b for b in blocks if not bm._lookup(lower, b.hash, b.token_ids, b.parent_prefix_id)]
-    for block in blocks if lower else ():
+    for block in blocks[:WRITE_AHEAD_PER_STEP] if lower else ():
         bm._write_down(bm.device, block, lower[0], "write ahead")
 
 def ms(seconds):   # a measured time, as the trace prints it

@@ -3,6 +3,7 @@ steps compute. Random block-manager operations with copies finishing at moments 
 not choose never let the model read or write a block a copy still reads or writes; the engine
 gives a blocking run's tokens over slow links, with a request loading while others run."""
 import threading
+import time
 from collections import Counter
 from unittest import mock
 
@@ -197,7 +198,12 @@ def test_the_request_that_waits_for_the_fewest_copies_gets_them_first():
     a, b = (nanopaged.Sequence([1] * BLOCK_SIZE * n) for n in (3, 1))
     a.block_table, b.block_table = [0, 1, 2], [3]
     batch = ScheduledBatch(10**6, [ScheduledSeq(Request([s]), s, 1) for s in (a, b)])
-    threading.Timer(0.2, holder.links.gate.set).start()   # (start() waits for B: nobody can run)
+    def open_the_link():   # once start() has queued all four and chosen whom to serve first
+        while not engine.urgent:
+            time.sleep(0.001)
+        holder.links.gate.set()
+
+    threading.Thread(target=open_the_link).start()   # (start() waits for B: nobody can run)
     ran = engine.start(holder, batch)
     assert [e.seq for e in ran.entries][-1] is b
     engine.wait(set(engine.unmade))
