@@ -1518,9 +1518,9 @@ def write_ahead(bm, num_blocks):
     lower = [t for t in bm.tiers[1:] if t.num_free_blocks and bm._worth_loading(t)]
     next_out = itertools.islice(bm.device.cached_block_ids,
                                 max(0, num_blocks - len(bm.device.free_block_ids)))
-    blocks = [bm.device.blocks[b] for b in next_out]
-    blocks = [b for b in blocks if not bm._lookup(lower, b.hash, b.token_ids, b.parent_prefix_id)]
-    for block in blocks[:WRITE_AHEAD_PER_STEP] if lower else ():
+    blocks = (bm.device.blocks[b] for b in next_out)   # (lazy: looked up only until enough)
+    blocks = (b for b in blocks if not bm._lookup(lower, b.hash, b.token_ids, b.parent_prefix_id))
+    for block in itertools.islice(blocks, WRITE_AHEAD_PER_STEP) if lower else ():
         bm._write_down(bm.device, block, lower[0], "write ahead")
 
 def ms(seconds):   # a measured time, as the trace prints it
