@@ -191,10 +191,11 @@ class Block:
     token_ids: tuple = ()                 # this block's tokens
     prefix_id: int | None = None          # names the prefix this block ends (see _cache_hits)
     parent_prefix_id: int | None = None   # names the prefix before it (None: the first block)
+    hits: int = 0                         # times a prompt found it (its copies count on)
 
     @property
     def entry(self):   # what the prefix cache knows of it; a copy of its K/V takes it along
-        return self.hash, self.token_ids, self.prefix_id, self.parent_prefix_id
+        return self.hash, self.token_ids, self.prefix_id, self.parent_prefix_id, self.hits
 
 class Pool:
     """One tier of blocks of one shape: the device pool, the host pool or the disk pool. Each
@@ -243,6 +244,7 @@ class BlockManager:
         self.num_evictions = 0           # cached blocks dropped: their K/V lost to the cache
         self.num_offloaded_blocks = 0    # cached blocks written down a tier
         self.num_loaded_blocks = 0       # cached blocks read back up to the device
+        self.num_write_downs_skipped = 0   # evictions dropped: the tiers below full (_keeps)
         self.num_cow_copies = 0          # shared blocks copied before a write
         self.num_swapped_out_blocks = 0  # blocks copied to the host with their request
         self.num_swapped_in_blocks = 0   # and back
@@ -280,11 +282,11 @@ class BlockManager:
         # the last token is always computed (its logits are needed): its block cannot hit
         num_hittable = (len(seq) - 1) // self.block_size if self.enable_prefix_caching else 0
         for i in range(num_hittable):
-            same = self._lookup(tiers, self._block_hash(seq, i), self._tokens(seq, i),
-                                    prefix_id)
+            same = self._lookup(tiers, self._block_hash(seq, i), self._tokens(seq, i), prefix_id)
             if not same:
                 break   # a chain: after the first miss no later block can be this prefix's
-            hit = max(same, key=lambda tb: tb[1].ref_count > 0)   # held: it costs no free block
+            # on the device, then held there (it costs no free block), then below
+            hit = max(same, key=lambda tb: (tb[0] is self.device, tb[1].ref_count > 0))
             hits.append(hit)
             prefix_id = hit[1].prefix_id
         return hits
@@ -299,11 +301,12 @@ class BlockManager:
 
     def _get_new_block(self, pool):
         """A free block of pool; with none, the cached block freed longest ago is evicted: written
-        down to the next tier with room (and worth loading from), cached there; else dropped."""
+        down to the first tier below (worth loading from) that keeps it, cached there; else dropped
+        (a write-down skipped, if a tier had room but only for a block found more often)."""
         if not pool.free_block_ids:
             block = pool.blocks[pool.cached_block_ids.popitem(last=False)[0]]
-            lower = self.tiers[self.tiers.index(pool) + 1:]
-            below = next((t for t in lower if t.num_free_blocks and self._worth_loading(t)), None)
+            lower = [t for t in self.tiers[self.tiers.index(pool) + 1:] if self._worth_loading(t)]
+            below = next((t for t in lower if self._keeps(t, block)), None)
             held = self._lookup(lower, block.hash, block.token_ids, block.parent_prefix_id)
             if held:   # a tier below holds its copy already (written ahead: section 8)
                 self.events.record("drop", [], [block.block_id], pool, [held[0][1].block_id],
@@ -312,10 +315,18 @@ class BlockManager:
                 self._write_down(pool, block, below, "write down")
             else:   # its K/V are lost to the prefix cache
                 self.num_evictions += 1
+                self.num_write_downs_skipped += any(t.num_free_blocks for t in lower)
                 self.events.record("evict", [], [block.block_id], pool)
             self._unregister(pool, block)
             pool.free_block_ids.append(block.block_id)
         return pool.blocks[pool.free_block_ids.popleft()]
+
+    def _keeps(self, tier, block):
+        """Is block worth a write-down into tier? Into a free block, yes; into a full tier only if
+        it was found more often than the block it would evict (else the write is traffic for
+        nothing: the tier would drop one block it may never load for another)."""
+        next_out = [tier.blocks[b] for b in itertools.islice(tier.cached_block_ids, 1)]
+        return bool(tier.free_block_ids or next_out and block.hits > next_out[0].hits)
 
     def _write_down(self, pool, block, below, kind):   # a copy below, cached there
         dst = self._get_new_block(below)
@@ -380,7 +391,8 @@ class BlockManager:
         """Would allocating seq, then forking each sibling from it, leave `watermark` blocks free?
         A hit on a held device block takes no free block; any other hit takes one."""
         hits = self._cache_hits(seq)
-        need = self._num_blocks_for(len(seq)) - sum(b.ref_count > 0 for _, b in hits)
+        need = self._num_blocks_for(len(seq)) - sum(t is self.device and b.ref_count > 0
+                                                     for t, b in hits)
         for s in siblings:
             need += self._num_blocks_for(len(s)) - self.num_shared(seq, s)
         return self.num_free_blocks - need >= watermark
@@ -390,6 +402,7 @@ class BlockManager:
         hits = self._cache_hits(seq)
         for pool, block in hits:   # held first: no block taken below can evict one of them
             self._hold(pool, block)
+            block.hits += 1
         seq.block_table = [b.block_id if pool is self.device else self._load(pool, b, seq)
                            for pool, b in hits]
         self._take_blocks_for_all_tokens(seq)
@@ -473,10 +486,10 @@ class BlockManager:
             # a copy of a registered prefix, in any tier, takes the original's prefix_id
             twins = self._lookup(self.tiers, *key)
             prefix_id = twins[0][1].prefix_id if twins else next(self.prefix_ids)
-            self._register(self.device, block, (*key[:2], prefix_id, key[2]))
+            self._register(self.device, block, (*key[:2], prefix_id, key[2], 0))
 
     def _register(self, pool, block, entry):   # entry: see Block.entry
-        block.hash, block.token_ids, block.prefix_id, block.parent_prefix_id = entry
+        block.hash, block.token_ids, block.prefix_id, block.parent_prefix_id, block.hits = entry
         pool.hash_to_block_ids.setdefault(block.hash, {})[block.block_id] = None
 
     def _unregister(self, pool, block):
@@ -521,6 +534,8 @@ class BlockManager:
             if block_id not in mapping:   # all taken before any is let go: none taken twice
                 mapping[block_id] = self._get_new_block(dst).block_id
                 self.copies.append((src, block_id, dst, mapping[block_id]))
+                if src.blocks[block_id].hash is not None:   # a copy of a prefix is found there too
+                    self._register(dst, dst.blocks[mapping[block_id]], src.blocks[block_id].entry)
         seq_ids = [s.seq_id for s in seqs]
         self.events.record(kind, seq_ids, mapping.keys(), src, mapping.values(), dst)
         for seq in seqs:
@@ -1189,8 +1204,6 @@ def check_block_manager(bm):   # BlockManager.check_invariants: each rule, asser
                  and (b.hash is not None) != (b.block_id in pool.cached_block_ids)]
         assert not wrong, f"cached: {pool.name} blocks {wrong}: cached without a hash, or free with"
         registered = [b for b in pool.blocks if b.hash is not None]
-        wrong = [b.block_id for b in registered if b.ref_count and pool is not bm.device]
-        assert not wrong, f"hash map: {pool.name} blocks {wrong}: held (swapped) and registered"
         listed = {(h, b) for h, bucket in pool.hash_to_block_ids.items() for b in bucket}
         carried = {(b.hash, b.block_id) for b in registered}   # the map lists these, no others
         wrong = listed ^ carried
@@ -1233,9 +1246,8 @@ EVENT_WORDS = {   # the plain words of each kind of event, for the live view and
     "copy": "seq {seqs} copies shared block {blocks} to block {to} before writing (copy-on-write)",
     "evict": "{tier} block {blocks} is evicted from the prefix cache (cached, held by nobody)",
     "write down": "{tier} block {blocks} evicted, its K/V written down to {to_tier} block {to}",
-    "write ahead": "{tier} block {blocks}, next to be evicted, written down to {to_tier} block "
-                   "{to} ahead (it stays cached)",
-    "drop": "{tier} block {blocks} evicted; its copy, {to_tier} block {to}, stays cached",
+    "write ahead": "{tier} block {blocks}, next out, written down ahead to {to_tier} block {to}",
+    "drop": "{tier} block {blocks} evicted; its copy stays, in {to_tier} block {to}",
     "load": "seq {seqs} finds block {blocks} in the {tier} tier: loaded into block {to}{why}",
     "swap out": "seq {seqs} swapped out: blocks {blocks} to host blocks {to}",
     "swap in": "seq {seqs} swapped in: host blocks {blocks} to blocks {to}",
@@ -1292,7 +1304,7 @@ def engine_stats(llm):   # LLM.stats(): fractions and counts, named as vLLM name
         "num_preemptions": llm.scheduler.num_preemptions,
         **{name: getattr(bm, name) for name in   # the block manager's counts, under their names
            ("num_swapped_out_blocks", "num_swapped_in_blocks", "num_cow_copies", "num_evictions",
-            "num_offloaded_blocks", "num_loaded_blocks")},
+            "num_offloaded_blocks", "num_loaded_blocks", "num_write_downs_skipped")},
         "num_prefill_tokens_computed": llm.num_prefill_tokens_computed,
         "num_generated_tokens": llm.num_generated_tokens,
         # the copies between tiers: seconds the steps waited for one (blocking: all of them),
@@ -1338,9 +1350,7 @@ class CostModel:
                 t0 = time.perf_counter()
                 for i in probe:
                     cache[:, :, i].copy_(device[:, :, i])
-                    device[:, :, i].copy_(cache[:, :, i])
-                if device.is_cuda:
-                    torch.cuda.synchronize(device.device)
+                    device[:, :, i].copy_(cache[:, :, i])   # (blocking, on CUDA too)
                 rounds.append(time.perf_counter() - t0)
             seconds[tier] = min(rounds) / (2 * len(probe)) if probe else math.inf
             seconds[tier] = max(seconds[tier], llm.links.seconds.get(tier, 0))   # as emulated
@@ -1515,13 +1525,15 @@ def write_ahead(bm, num_blocks):
     first num_blocks cached device blocks in eviction order, less the free ones, get a copy in the
     tier below (in the background) and stay cached; evicting one later makes no copy, so a step
     need not wait for a write-down to reuse its block."""
-    lower = [t for t in bm.tiers[1:] if t.num_free_blocks and bm._worth_loading(t)]
+    lower = [t for t in bm.tiers[1:] if bm._worth_loading(t)]
     next_out = itertools.islice(bm.device.cached_block_ids,
                                 max(0, num_blocks - len(bm.device.free_block_ids)))
     blocks = (bm.device.blocks[b] for b in next_out)   # (lazy: looked up only until enough)
     blocks = (b for b in blocks if not bm._lookup(lower, b.hash, b.token_ids, b.parent_prefix_id))
-    for block in itertools.islice(blocks, WRITE_AHEAD_PER_STEP) if lower else ():
-        bm._write_down(bm.device, block, lower[0], "write ahead")
+    for block in itertools.islice(blocks, WRITE_AHEAD_PER_STEP):
+        below = next((t for t in lower if bm._keeps(t, block)), None)
+        if below is not None:
+            bm._write_down(bm.device, block, below, "write ahead")
 
 def ms(seconds):   # a measured time, as the trace prints it
     return f"{1e3 * seconds:.3g} ms"
@@ -1942,8 +1954,8 @@ class View:
             where = "" if pool is bm.device else pool.name   # a table into the host: host[...]
             table = where + table_text(pool.blocks, seq.block_table, 26 - len(where))
             line = Text(f"{seq.seq_id:>5} {seq.request_id:>4}", HOLDER_COLOURS[seq.request_id % 8])
-            engine = self.llm.copy_engine   # loading: its blocks in flight (section 8)
-            loading = engine and engine.loading(request)
+            # loading: its blocks in flight (section 8)
+            loading = self.llm.copy_engine and self.llm.copy_engine.loading(request)
             state = "loading" if loading else request.status.value
             line.append(f"  {state:<8} {seq.num_written_tokens:>4}/{len(seq):<4}  "
                         f"{table:<26} ")
@@ -2070,8 +2082,6 @@ if __name__ == "__main__":
     p.add_argument("--preemption-mode", choices=["recompute", "swap", "auto"], help="see README")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     p.add_argument("--max-num-batched-tokens", type=int, help="tokens a step computes at most")
-    p.add_argument("--async-copies", action="store_true",
-                   help="make the copies between tiers in the background (as the overlap demo)")
     p.add_argument("--watermark-blocks", type=int,
                    help="blocks a new prompt must leave free while others run (default: 1%% of "
                         "the pool)")
@@ -2087,7 +2097,6 @@ if __name__ == "__main__":
     optional = ("num_blocks", "num_cpu_blocks", "num_disk_blocks", "disk_path", "preemption_mode",
                 "max_num_batched_tokens")
     kwargs.update({k: getattr(args, k) for k in optional if getattr(args, k) is not None})
-    kwargs["async_copies"] = kwargs["async_copies"] or args.async_copies
     try:
         llm = LLM(args.model, device=args.device, **kwargs)
         if args.watermark_blocks is not None:   # (Scheduler's watermark: a fraction of the pool)

@@ -173,8 +173,11 @@ def test_the_random_operations_reach_every_tier():
     both, evictions off the bottom, swaps (a fixed sequence of the same operations, so it cannot pass by luck)."""
     m = BlockManagerMachine()
     fillers = [[500 + 20 * j + t for t in range(17)] for j in range(5)]   # 4 full blocks each, all distinct
-    for prefix, k, own in [(0, 12, [1]), (1, 12, [1]), (2, 12, [1])] + [(0, 0, f) for f in fillers] + \
-            [(0, 0, fillers[1] + [2]), (2, 12, [2])]:   # fill, push down the tiers, come back up
+    # fill; each filler computed, then found once (a block found more often than a full tier's
+    # next out pushes it down), pushing the prefixes down the tiers; come back up
+    found = [(0, 0, f + x) for f in fillers for x in ([], [2])]
+    for prefix, k, own in [(0, 12, [1]), (1, 12, [1]), (2, 12, [1])] + found + \
+            [(0, 0, fillers[1] + [3]), (2, 12, [2])]:
         m.allocate(prefix, k, own)
         for seq in list(m.live):
             m.bm.free(seq)

@@ -96,43 +96,53 @@ def test_device_eviction_writes_the_block_down_to_host():
     assert where_is(bm, toks(0, 4)) == [("host", 0)]
 
 
-def test_host_full_of_cached_blocks_writes_its_least_recent_down_to_disk():
-    """With the host full of cached blocks, a device eviction first moves the host's least
-    recently cached block to disk, then takes its place: two copies, in that order."""
-    bm = BlockManager(1, BS, num_cpu_blocks=2, num_disk_blocks=2)
-    for start in (0, 10, 20):                         # P0, P1 written down to host blocks 0, 1
+def test_a_full_host_takes_only_a_block_found_more_often_than_its_next_out():
+    """A block evicted into a host full of cached blocks found as often goes on to the disk (one
+    copy; the host keeps what it holds); a block a prompt has found takes the place of the host's
+    least recent block, which moves down to disk first: two copies, in that order."""
+    bm = BlockManager(2, BS, num_cpu_blocks=2, num_disk_blocks=2)
+    for start in (0, 10, 20, 30):                     # P0, P1 written down to host blocks 0, 1
         cached(bm, toks(start, 4))
-    assert registered(bm) == {"device": {0: (20, 21, 22, 23)},
+    assert registered(bm) == {"device": {0: (20, 21, 22, 23), 1: (30, 31, 32, 33)},
                               "host": {0: (0, 1, 2, 3), 1: (10, 11, 12, 13)}, "disk": {}}
     forget(bm)
-    cached(bm, toks(30, 4))
-    assert taken(bm) == [("host", 0, "disk", 0), ("device", 0, "host", 0)]
-    assert events(bm) == [("write down", (0,), (0,), "disk", "host"),
+    cached(bm, toks(20, 4) + [99])                    # finds P2 (hits 1); its new block evicts P3
+    assert taken(bm) == [("device", 1, "disk", 0)]    # found by nobody, as the host's: to disk
+    assert events(bm)[:1] == [("write down", (1,), (0,), "disk", "device")]
+    assert where_is(bm, toks(30, 4)) == [("disk", 0)] and bm.num_write_downs_skipped == 0
+    cached(bm, toks(40, 8))                           # evicts P2: found once, more than P0
+    assert taken(bm) == [("host", 0, "disk", 1), ("device", 0, "host", 0)]
+    assert events(bm) == [("write down", (0,), (1,), "disk", "host"),
                           ("write down", (0,), (0,), "host", "device")]
-    assert registered(bm) == {"device": {0: (30, 31, 32, 33)},
+    assert registered(bm) == {"device": {1: (40, 41, 42, 43), 0: (44, 45, 46, 47)},
                               "host": {0: (20, 21, 22, 23), 1: (10, 11, 12, 13)},
-                              "disk": {0: (0, 1, 2, 3)}}
+                              "disk": {0: (30, 31, 32, 33), 1: (0, 1, 2, 3)}}
+    assert bm.host.blocks[0].hits == 1                # its copy counts on
     assert list(bm.host.cached_block_ids) == [1, 0]   # P1 is now the least recent
-    assert (bm.num_offloaded_blocks, bm.num_evictions) == (4, 0)
+    assert (bm.num_offloaded_blocks, bm.num_evictions) == (5, 0)
 
 
-def test_disk_full_drops_its_least_recent_block():
-    """With every tier full of cached blocks, the disk's least recent block is dropped (an
-    eviction: no copy), and its prefix is no longer found anywhere."""
-    bm = BlockManager(1, BS, num_cpu_blocks=1, num_disk_blocks=1)
-    for start in (0, 10, 20):                         # P0 on disk, P1 on host, P2 on device
+def test_tiers_full_of_blocks_found_as_often_drop_the_evicted_block():
+    """With every tier full of cached blocks found as often, an evicted block is dropped (an
+    eviction, no copy, counted as a write-down skipped): no tier gives up a block for it. A block
+    found more often takes the host's least recent place, and that one is dropped in turn."""
+    bm = BlockManager(2, BS, num_cpu_blocks=1, num_disk_blocks=1)
+    for start in (0, 10, 20, 30):                     # P0 on host, P1 on disk, P2, P3 on device
         cached(bm, toks(start, 4))
-    assert (bm.num_offloaded_blocks, bm.num_evictions) == (3, 0)
+    assert (bm.num_offloaded_blocks, bm.num_evictions) == (2, 0)
     forget(bm)
-    cached(bm, toks(30, 4))
-    assert taken(bm) == [("host", 0, "disk", 0), ("device", 0, "host", 0)]
-    assert events(bm) == [("evict", (0,), (), "", "disk"),
-                          ("write down", (0,), (0,), "disk", "host"),
-                          ("write down", (0,), (0,), "host", "device")]
-    assert (bm.num_offloaded_blocks, bm.num_evictions) == (5, 1)
-    assert registered(bm) == {"device": {0: (30, 31, 32, 33)}, "host": {0: (20, 21, 22, 23)},
-                              "disk": {0: (10, 11, 12, 13)}}
-    assert where_is(bm, toks(0, 4)) == []
+    cached(bm, toks(40, 4))                           # evicts P2, found by nobody
+    assert taken(bm) == [] and events(bm) == [("evict", (0,), (), "", "device")]
+    assert (bm.num_evictions, bm.num_write_downs_skipped) == (1, 1)
+    cached(bm, toks(30, 4) + [99])                    # finds P3; its new block evicts P4
+    forget(bm)
+    cached(bm, toks(50, 8))                           # evicts P3, found once: to the host
+    assert taken(bm) == [("device", 1, "host", 0)]    # P0 dropped for it: the disk's P1 stays
+    assert events(bm)[:2] == [("evict", (0,), (), "", "host"),
+                              ("write down", (1,), (0,), "host", "device")]
+    assert registered(bm) == {"device": {0: (50, 51, 52, 53), 1: (54, 55, 56, 57)},
+                              "host": {0: (30, 31, 32, 33)}, "disk": {0: (10, 11, 12, 13)}}
+    assert where_is(bm, toks(0, 4)) == [] and bm.num_write_downs_skipped == 3
 
 
 def test_prompt_loads_its_prefix_from_host_and_disk():
@@ -140,9 +150,9 @@ def test_prompt_loads_its_prefix_from_host_and_disk():
     chain order, counts them as hits of their tiers, and the prefix then lives on the device
     alone (a load moves it)."""
     bm = BlockManager(3, BS, num_cpu_blocks=1, num_disk_blocks=1)
-    cached(bm, toks(0, 8))                            # A0 = 0-3, A1 = 4-7
-    cached(bm, toks(100, 12))                         # pushes A1 to disk, A0 to host
-    assert where_is(bm, toks(0, 4)) == [("host", 0)] and where_is(bm, toks(4, 4)) == [("disk", 0)]
+    cached(bm, toks(0, 8))                            # A0 = 0-3, A1 = 4-7 (freed tail first)
+    cached(bm, toks(100, 12))                         # A1 to the host; it full, A0 to disk
+    assert where_is(bm, toks(0, 4)) == [("disk", 0)] and where_is(bm, toks(4, 4)) == [("host", 0)]
     assert bm.prefix_cache_hits == 0
     loaded = bm.num_loaded_blocks
     forget(bm)
@@ -150,15 +160,16 @@ def test_prompt_loads_its_prefix_from_host_and_disk():
     assert c.block_table == [0, 1, 2] and c.num_cached_tokens == c.num_computed_tokens == 8
     copies = taken(bm)
     loads = [cp for cp in copies if cp[2] == "device"]
-    assert loads == [("host", 0, "device", 0), ("disk", 0, "device", 1)]
+    assert loads == [("disk", 0, "device", 0), ("host", 0, "device", 1)]
     # each device block taken for c evicts a cached block of B's: the first is dropped (host
-    # and disk hold c's hits then), the later ones go down to the blocks the loads emptied
-    assert copies == [("host", 0, "device", 0), ("device", 1, "host", 0),
-                      ("disk", 0, "device", 1), ("host", 0, "disk", 0), ("device", 2, "host", 0)]
+    # and disk hold c's hits then, found once), the later ones go down to the blocks the loads
+    # emptied
+    assert copies == [("disk", 0, "device", 0), ("device", 1, "disk", 0),
+                      ("host", 0, "device", 1), ("device", 2, "host", 0)]
     kinds = events(bm)
-    assert [e for e in kinds if e[0] in ("load", "prefix hit")] == [
-        ("load", (0,), (0,), "device", "host"), ("load", (0,), (1,), "device", "disk"),
-        ("prefix hit", (0, 1), (), "8", "device")]
+    assert [e for e in kinds if e[0] in ("load", "prefix hit", "evict")] == [
+        ("evict", (0,), (), "", "device"), ("load", (0,), (0,), "device", "disk"),
+        ("load", (0,), (1,), "device", "host"), ("prefix hit", (0, 1), (), "8", "device")]
     assert dict(bm.tier_hits) == {"host": 4, "disk": 4} and bm.prefix_cache_hits == 8
     assert bm.num_loaded_blocks - loaded == 2
     assert where_is(bm, toks(0, 4)) == [("device", 0)]   # moved up: no copy left below
@@ -183,7 +194,9 @@ def test_swap_out_pushes_cached_host_blocks_to_disk_but_never_swapped_ones():
     assert taken(bm) == [("host", 0, "disk", 0), ("device", 0, "host", 0),
                          ("host", 1, "disk", 1), ("device", 1, "host", 1),
                          ("host", 2, "disk", 2), ("device", 2, "host", 2)]
-    assert registered(bm)["host"] == {}               # the host holds b, unregistered
+    # the host holds b, registered: a prompt finds its prefix there too
+    assert sorted(registered(bm)["host"].values()) == [(100, 101, 102, 103), (104, 105, 106, 107),
+                                                       (108, 109, 110, 111)]
     assert sorted(registered(bm)["disk"].values()) == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)]
     assert bm.num_swapped_out_blocks == 3 and bm.num_evictions == 0
     c = alloc(bm, Sequence(toks(0, 8) + [99]))        # A's first two blocks, from disk
