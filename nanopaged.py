@@ -191,7 +191,8 @@ class Block:
     token_ids: tuple = ()                 # this block's tokens
     prefix_id: int | None = None          # names the prefix this block ends (see _cache_hits)
     parent_prefix_id: int | None = None   # names the prefix before it (None: the first block)
-    hits: int = 0                         # times a prompt found it (its copies count on)
+    hits: int = 0                         # times a prompt found it, or a preempted request
+                                          # will look for it (its copies count on)
 
     @property
     def entry(self):   # what the prefix cache knows of it; a copy of its K/V takes it along
@@ -458,11 +459,13 @@ class BlockManager:
         self.device.seqs[child.seq_id] = child
         self.events.record("fork", [child.seq_id], shared, parent=parent.seq_id)
 
-    def free(self, seq):
+    def free(self, seq, coming_back=False):
         """Drop seq's hold on its blocks, in whichever pool its table points into, tail first: the
-        tail is then evicted before the prefix, which other requests are likelier to share."""
+        tail is then evicted before the prefix, which other requests are likelier to share.
+        coming_back (preempted, to be recomputed): each counts as found once more (Block.hits)."""
         pool = self.host if seq.seq_id in self.host.seqs else self.device
         for block_id in reversed(seq.block_table):
+            pool.blocks[block_id].hits += coming_back   # (a tier below full keeps it first)
             self._release(pool, pool.blocks[block_id])
         pool.seqs.pop(seq.seq_id, None)
         seq.block_table = []
@@ -656,7 +659,7 @@ class Scheduler:
         if self.num_preemptions > num_preemptions:
             return batch
         # 2. swapped requests, before any waiting one: nobody overtakes a preempted request
-        while self.swapped and not batch.is_full:
+        while self.swapped:   # its swap-in may start though the step has no budget left: prefetch
             request = self.swapped[0]
             room = bm.can_swap_in(*request.seqs, watermark=self._watermark())
             if not self._fits(request) or not room:
@@ -722,7 +725,7 @@ class Scheduler:
 
     def _recompute(self, request):
         for seq in request.seqs:
-            self.block_manager.free(seq)
+            self.block_manager.free(seq, coming_back=True)   # it will look for its blocks again
             seq.num_computed_tokens = 0
             seq.waits_for = None
             seq.logprobs = None   # a beam computes its log-probs again

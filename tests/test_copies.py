@@ -261,3 +261,29 @@ def test_a_slow_link_holds_each_copy_and_the_cost_rule_reads_it():
     s = llm.stats()
     assert s["disk_prefix_cache_hits"] == 0 == s["disk_bytes_moved"] and s["host_bytes_moved"] > 0
     assert_no_block_held(llm)
+
+
+def test_a_swapped_request_swaps_in_ahead_while_others_spend_the_step():
+    """Prefetch: a swapped request whose blocks fit starts its swap-in in a step whose token
+    budget a running prefill spends (it runs from the next step, not once that prefill is done),
+    and the tokens are those of a run that never swapped."""
+    prompts = [[(5 * t) % 250 + 1 for t in range(3)], [(3 * t) % 250 + 1 for t in range(40)]]
+    want = [o.outputs[0].token_ids for o in
+            LLM("random:tiny", block_size=4, num_blocks=64).generate(prompts, GREEDY)]
+    llm = checked(LLM("random:tiny", block_size=4, num_blocks=64, num_cpu_blocks=32,
+                      preemption_mode="swap", max_num_batched_tokens=8))
+    request_ids = llm.add_requests(prompts, GREEDY)
+    llm.step()   # the short prompt whole, 5 tokens of the long one
+    llm.step()   # a decode, 7 more
+    short, long = llm.scheduler.running
+    llm.scheduler.preempt(short, ScheduledBatch(budget=8), mode="swap")
+    report = llm.step()   # the long prompt's next 8 tokens spend the budget
+    assert [(e.request, e.num_new_tokens) for e in report.batch.entries] == [(long, 8)]
+    assert [e.seq_ids for e in report.events if e.kind == "swap in"] == [(short.seqs[0].seq_id,)]
+    report = llm.step()   # the short one decodes again, while the long one still prefills
+    assert [e.request for e in report.batch.entries] == [short, long]
+    assert long.seqs[0].num_computed_tokens < len(prompts[1])
+    while llm.scheduler.has_unfinished():
+        llm.step()
+    assert [llm.output(r).outputs[0].token_ids for r in request_ids] == want
+    assert_no_block_held(llm)
