@@ -284,10 +284,11 @@ class BlockManager:
         num_hittable = (len(seq) - 1) // self.block_size if self.enable_prefix_caching else 0
         for i in range(num_hittable):
             same = self._lookup(tiers, self._block_hash(seq, i), self._tokens(seq, i), prefix_id)
+            # below the device, a swapped request's blocks are its own until it comes back
+            same = [(t, b) for t, b in same if t is self.device or not b.ref_count]
             if not same:
                 break   # a chain: after the first miss no later block can be this prefix's
-            # on the device, then held there (it costs no free block), then below
-            hit = max(same, key=lambda tb: (tb[0] is self.device, tb[1].ref_count > 0))
+            hit = max(same, key=lambda tb: tb[1].ref_count > 0)   # held: it costs no free block
             hits.append(hit)
             prefix_id = hit[1].prefix_id
         return hits
@@ -392,8 +393,7 @@ class BlockManager:
         """Would allocating seq, then forking each sibling from it, leave `watermark` blocks free?
         A hit on a held device block takes no free block; any other hit takes one."""
         hits = self._cache_hits(seq)
-        need = self._num_blocks_for(len(seq)) - sum(t is self.device and b.ref_count > 0
-                                                     for t, b in hits)
+        need = self._num_blocks_for(len(seq)) - sum(b.ref_count > 0 for _, b in hits)
         for s in siblings:
             need += self._num_blocks_for(len(s)) - self.num_shared(seq, s)
         return self.num_free_blocks - need >= watermark

@@ -633,3 +633,24 @@ def test_a_disk_pool_too_large_for_any_file_is_a_value_error(tmp_path):
         LLM("random:tiny", block_size=4, num_blocks=8, num_disk_blocks=2 ** 53,
             disk_path=tmp_path / "kv.bin")
     assert os.listdir(tmp_path) == []
+
+
+def test_a_swapped_requests_host_blocks_are_found_for_drops_not_for_prompts():
+    """A swapped request's host blocks are registered: its device copies, evicted, are dropped
+    (no second copy to the host). A prompt with the same prefix does not take them from it
+    (they are its own until it returns), and after the swap-in its table is whole again."""
+    bm = BlockManager(3, BS, num_cpu_blocks=3)
+    a = computed(bm, Sequence(toks(0, 9)))            # two full blocks and one token
+    bm.swap_out(a)
+    forget(bm)
+    cached(bm, toks(100, 12))                         # evicts a's device copies
+    assert taken(bm) == [] and [e[0] for e in events(bm)] == ["drop", "drop"]
+    b = alloc(bm, Sequence(toks(0, 4) + [99]))        # a's first block, held on the host
+    assert b.num_cached_tokens == 0 and not [c for c in taken(bm) if c[0] == "host"]
+    bm.free(b)
+    bm.swap_in(a)
+    bm.check_invariants()
+    assert [bm.device.blocks[i].token_ids for i in a.block_table[:2]] == [(0, 1, 2, 3),
+                                                                         (4, 5, 6, 7)]
+    bm.free(a)
+    bm.check_invariants()
