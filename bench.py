@@ -204,7 +204,7 @@ def multiturn(args):
     LLM(args.model, device=args.device, num_blocks=num_blocks).generate([[1] * 64])  # warm-up
     rows, want, gbps = [], None, None
     for name, pools in configs.items():
-        nanopaged.WRITE_AHEAD = 0 if name == "slow links: async" else ahead
+        nanopaged.WRITE_AHEAD = 0 if name == "slow links: async" else ahead   # (ahead: last)
         slow = dict(tier_gbps=gbps) if name.startswith("slow") else {}
         llm = LLM(args.model, device=args.device, num_blocks=num_blocks, **pools, **slow)
         text, chats, ttft = corpus(llm), [[] for _ in range(num_chats)], []
@@ -229,7 +229,6 @@ def multiturn(args):
         rows.append((name, s["num_prefill_tokens_computed"], rates, mean(ttft),
                      sorted(ttft)[int(0.9 * len(ttft))], s["num_generated_tokens"] / seconds,
                      s["copy_wait_seconds"], chats == want))
-    nanopaged.WRITE_AHEAD = ahead
     report("multiturn", f"{num_chats} chats of {num_turns} turns, {num_blocks} device blocks",
            ["tiers", "prefill computed", "hits: device host disk", "ttft mean", "ttft p90",
             "tokens/s", "waited (s)", "same"], rows,

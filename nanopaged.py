@@ -310,9 +310,10 @@ class BlockManager:
             lower = [t for t in self.tiers[self.tiers.index(pool) + 1:] if self._worth_loading(t)]
             below = next((t for t in lower if self._keeps(t, block)), None)
             held = self._lookup(lower, block.hash, block.token_ids, block.parent_prefix_id)
-            if held:   # a tier below holds its copy already (written ahead: section 8)
-                self.events.record("drop", [], [block.block_id], pool, [held[0][1].block_id],
-                                   held[0][0])
+            if held:   # a tier below holds its copy already (written ahead, or swapped)
+                tier, copy = held[0]
+                copy.hits = max(copy.hits, block.hits)   # the prompts that found it count on
+                self.events.record("drop", [], [block.block_id], pool, [copy.block_id], tier)
             elif below is not None:
                 self._write_down(pool, block, below, "write down")
             else:   # its K/V are lost to the prefix cache
@@ -465,7 +466,8 @@ class BlockManager:
         coming_back (preempted, to be recomputed): each counts as found once more (Block.hits)."""
         pool = self.host if seq.seq_id in self.host.seqs else self.device
         for block_id in reversed(seq.block_table):
-            pool.blocks[block_id].hits += coming_back   # (a tier below full keeps it first)
+            # (by its last holder: once, though n samples held it)
+            pool.blocks[block_id].hits += coming_back and pool.blocks[block_id].ref_count == 1
             self._release(pool, pool.blocks[block_id])
         pool.seqs.pop(seq.seq_id, None)
         seq.block_table = []

@@ -654,3 +654,36 @@ def test_a_swapped_requests_host_blocks_are_found_for_drops_not_for_prompts():
                                                                          (4, 5, 6, 7)]
     bm.free(a)
     bm.check_invariants()
+
+
+def test_a_dropped_block_hands_its_hits_to_its_copy_below():
+    """A device block evicted while its copy below stays (written ahead) is dropped, and the
+    prompts that found it count on in the copy: a block found less often cannot evict it."""
+    bm = BlockManager(2, BS, num_cpu_blocks=1)
+    cached(bm, toks(0, 4))                            # A on the device
+    nanopaged.write_ahead(bm, 2)                      # A's copy on the host, found by nobody yet
+    for i in range(5):
+        cached(bm, toks(0, 4) + [100 + i])            # five prompts find A on the device
+    forget(bm)
+    cached(bm, toks(10, 8))                           # A evicted: dropped, its copy stays
+    assert ("drop", (0,), (0,), "host", "device") in events(bm)
+    assert bm.host.blocks[0].hits == 5
+    for i in range(2):
+        cached(bm, toks(20, 4) + [90 + i])            # C: computed, then found once
+    cached(bm, toks(30, 8))                           # C evicted: the host keeps A
+    assert where_is(bm, toks(0, 4)) == [("host", 0)] and where_is(bm, toks(20, 4)) == []
+
+
+def test_a_request_preempted_to_recompute_counts_each_block_found_once_more():
+    """Freed to be recomputed (coming_back), each block of the request counts one more hit, once
+    though three samples share it: a full tier below keeps it over blocks nobody looks for."""
+    bm = BlockManager(8, BS)
+    leader = computed(bm, Sequence(toks(0, 9)))       # blocks 0, 1 full and registered
+    samples = [leader] + [Sequence(leader.token_ids) for _ in range(2)]
+    for s in samples[1:]:
+        bm.fork(leader, s)
+    full = leader.block_table[:2]
+    for s in samples:
+        bm.free(s, coming_back=True)
+    assert [bm.device.blocks[b].hits for b in full] == [1, 1]
+    bm.check_invariants()
