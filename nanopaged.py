@@ -1528,8 +1528,8 @@ WRITE_AHEAD_PER_STEP = 4   # blocks at most a step: the worker's queue stays sho
 def write_ahead(bm, num_blocks):
     """Write-back done ahead of need (not write-through: only blocks about to be evicted): the
     first num_blocks cached device blocks in eviction order, less the free ones, get a copy in the
-    tier below (in the background) and stay cached; evicting one later makes no copy, so a step
-    need not wait for a write-down to reuse its block."""
+    first tier below that keeps it (_keeps, as on eviction), in the background, and stay cached;
+    evicting one later makes no copy, so a step need not wait for a write-down to reuse it."""
     lower = [t for t in bm.tiers[1:] if bm._worth_loading(t)]
     next_out = itertools.islice(bm.device.cached_block_ids,
                                 max(0, num_blocks - len(bm.device.free_block_ids)))
