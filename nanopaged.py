@@ -1413,10 +1413,10 @@ class CopyEngine:
     """async_copies=True: the copies between tiers are made on a worker thread (torch's copies
     let go of the GIL; on CUDA on a side stream, after an event of the step that queued them),
     while the steps compute. A request with a block in flight sits steps out (loading) until its
-    copies are made; copy-on-write is made at once, on the step's path; a step whose every request
-    is loading waits for the first. The copies of the request that waits for the fewest go first
-    (its loads or swap-ins, the write-down that frees its new block: it runs soonest), the rest
-    in the order queued; a block's copies always in the order queued."""
+    copies are made (a copy that only reads a full block holds nobody back: the step only reads
+    it too); copy-on-write is made at once, on the step's path; a step whose every request is
+    loading waits for the first. Copies are made in the order queued; a step that finds the link
+    idle queues write-aheads (write_ahead), so that later evictions find their copies below."""
 
     def __init__(self, llm):
         self.queue = queue.SimpleQueue()   # (ticket, copy, ready event, after); None: stop
@@ -1425,7 +1425,7 @@ class CopyEngine:
         self.in_flight = {}    # (tier name, block id) -> the last ticket that reads or writes it
                                # (the view's ~: those in flight at the step's start)
         self.started = {}      # ticket -> copy, queued, until the trace tells it made
-        self.urgent = set()    # the copies of the request that waits for the fewest: made first
+        self.through = weakref.WeakKeyDictionary()   # seq -> (its table, blocks written through)
         self.failed = None     # (the exception, the copies never made) once a copy raised
         self.done = threading.Condition()
         self.stream = torch.cuda.Stream(llm.device) if llm.device.type == "cuda" else None
@@ -1441,15 +1441,7 @@ class CopyEngine:
 
     def work(self, links):   # the worker thread
         torch.set_num_threads(1)   # (this thread's): no OpenMP team of its own to spin on the cores
-        received = {}   # ticket -> (copy, ready, after): queued, not yet made
-        while True:
-            while not received or not self.queue.empty():   # (waits only with nothing to make)
-                if (item := self.queue.get()) is None:   # stop (at exit: what is left unmade)
-                    return
-                received[item[0]] = item[1:]
-            free = [t for t, (_, _, after) in received.items() if not after & received.keys()]
-            ticket = min(free, key=lambda t: (t not in self.urgent, t))
-            copy, ready, _ = received.pop(ticket)
+        for ticket, copy, ready in iter(self.queue.get, None):   # None: stop (left unmade)
             try:
                 with torch.cuda.stream(self.stream):   # (None: no stream, on a CPU)
                     if ready is not None:
@@ -1467,7 +1459,8 @@ class CopyEngine:
     def start(self, llm, batch):
         """Queue the step's copies, then return batch without the requests still loading."""
         copies, events = llm.block_manager.copies, llm.events
-        write_ahead(llm.block_manager, int(WRITE_AHEAD * llm.block_manager.num_blocks))
+        if WRITE_AHEAD and not self.unmade and not copies:   # the link idle: write ahead
+            write_ahead(llm.block_manager, self.through)
         while copies:
             src_tier, src, dst_tier, dst = copies[0]
             keys = [(src_tier.name, src), (dst_tier.name, dst)]
@@ -1480,11 +1473,10 @@ class CopyEngine:
                 ready = torch.cuda.current_stream().record_event() if self.stream else None
                 self.unmade.add(ticket)
                 self.in_flight.update(dict.fromkeys(keys, ticket))
-                self.queue.put((ticket, copies[0], ready, after))
+                self.queue.put((ticket, copies[0], ready))
                 self.started[ticket] = copies[0]
             copies.popleft()
         waits = {e.request: self.loading(e.request) for e in batch.entries}
-        self.urgent = min(filter(None, waits.values()), key=len, default=set())
         if waits and all(waits.values()):   # nobody can run: until the first of them can
             self.wait(*waits.values())
         unmade = set(self.unmade)   # one moment for what has arrived and who still waits
@@ -1503,8 +1495,11 @@ class CopyEngine:
         return batch
 
     def loading(self, request):   # the copies its device blocks still wait for (empty: none)
-        keys = [("device", b) for s in request.seqs for b in s.block_table]
-        return {self.in_flight.get(key, 0) for key in keys} & self.unmade
+        tickets = {self.in_flight.get(("device", b)) for s in request.seqs for b in s.block_table}
+        # all but a write-ahead's: it reads a registered block, whose K/V never change (the step
+        # may read it too); an evicted one (unregistered) may be written once the copy is made
+        return {t for t in tickets & self.unmade if self.started[t][0].name != "device"
+                or self.started[t][0].blocks[self.started[t][1]].hash is None}
 
     def wait(self, *tickets):   # until one of the sets of tickets is all made: the step waits
         t0 = time.perf_counter()
@@ -1514,31 +1509,41 @@ class CopyEngine:
 
     def finish(self):   # (Undo) every copy queued made or failed; returns the blocks never made
         flush = next(self.tickets)   # after all that were queued, a copy of nothing
-        after = set(self.unmade)
         self.unmade.add(flush)
-        self.queue.put((flush, None, None, after))
+        self.queue.put((flush, None, None))
         self.wait({flush})
         self.unmade, self.in_flight, self.started = set(), {}, {}   # (a ticket Ctrl-C cut off)
         unmade, self.failed = (self.failed or (None, []))[1], None
         return {(dst_tier, dst) for _, _, dst_tier, dst in unmade}
 
-WRITE_AHEAD = 0.25   # async_copies: the part of the device pool kept ready to evict without a copy
-WRITE_AHEAD_PER_STEP = 4   # blocks at most a step: the worker's queue stays short
+WRITE_AHEAD = 16   # async_copies: the cached blocks next out that an idle link copies below, and
+WRITE_AHEAD_PER_STEP = 4   # the held ones (0: none); at most 4 a step, the worker's queue short
 
-def write_ahead(bm, num_blocks):
-    """Write-back done ahead of need (not write-through: only blocks about to be evicted): the
-    first num_blocks cached device blocks in eviction order, less the free ones, get a copy in the
-    first tier below that keeps it (_keeps, as on eviction), in the background, and stay cached;
-    evicting one later makes no copy, so a step need not wait for a write-down to reuse it."""
+def write_ahead(bm, through):
+    """Device blocks with no copy below get one in the first tier below that keeps it (_keeps, as
+    on eviction), in the background, and stay: the WRITE_AHEAD cached blocks next out first
+    (write-back, ahead of need), then the full blocks that running sequences hold, each looked at
+    once (write-through: a request that ends leaves its copies below). Evicting one later makes
+    no copy, so no step waits for its write-down; the engine calls it when the link is idle."""
     lower = [t for t in bm.tiers[1:] if bm._worth_loading(t)]
-    next_out = itertools.islice(bm.device.cached_block_ids,
-                                max(0, num_blocks - len(bm.device.free_block_ids)))
-    blocks = (bm.device.blocks[b] for b in next_out)   # (lazy: looked up only until enough)
-    blocks = (b for b in blocks if not bm._lookup(lower, b.hash, b.token_ids, b.parent_prefix_id))
+    next_out = itertools.islice(bm.device.cached_block_ids, WRITE_AHEAD)
+    blocks = itertools.chain((bm.device.blocks[b] for b in next_out), _written_through(bm, through))
+    blocks = (b for b in blocks if b.hash is not None   # registered (lazy: until enough),
+              and not bm._lookup(lower, b.hash, b.token_ids, b.parent_prefix_id))   # none below
     for block in itertools.islice(blocks, WRITE_AHEAD_PER_STEP):
-        below = next((t for t in lower if bm._keeps(t, block)), None)
+        # a held block only into room right below: it evicts nothing there for a block in use
+        tiers = [t for t in lower[:1] if t.free_block_ids] if block.ref_count else lower
+        below = next((t for t in tiers if bm._keeps(t, block)), None)
         if below is not None:
             bm._write_down(bm.device, block, below, "write ahead")
+
+def _written_through(bm, through):   # (lazy: each block looked at as write_ahead asks for it)
+    for seq in list(bm.device.seqs.values()):   # through: seq -> (its table, blocks looked at)
+        table, start = through.get(seq, (None, 0))   # (a new table: freed, swapped, recomputed)
+        for i in range(start if table is seq.block_table else 0,
+                       seq.num_computed_tokens // bm.block_size):
+            through[seq] = seq.block_table, i + 1
+            yield bm.device.blocks[seq.block_table[i]]
 
 def ms(seconds):   # a measured time, as the trace prints it
     return f"{1e3 * seconds:.3g} ms"

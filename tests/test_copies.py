@@ -4,7 +4,7 @@ not choose never let the model read or write a block a copy still reads or write
 gives a blocking run's tokens over slow links, with a request loading while others run."""
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from unittest import mock
 
 import torch
@@ -73,11 +73,11 @@ class CopyEngineMachine(BlockManagerMachine):
         with mock.patch.object(nanopaged.queue, "SimpleQueue", RecordingQueue):
             self.engine = CopyEngine(self.holder)
 
-    def pending(self, tier):
-        """Blocks of tier a queued copy reads or writes and has not yet: the truth, not the
+    def pending(self, tier, reads=True):
+        """Blocks of tier a queued copy writes (or reads) and has not yet: the truth, not the
         engine's bookkeeping (the worker makes loads first, so not in the order queued)."""
         queued = Counter(self.engine.queue.copies) - Counter(self.links.made)
-        return {b for src, s, dst, d in queued for pool, b in ((src, s), (dst, d))
+        return {b for src, s, dst, d in queued for pool, b in ((src, s if reads else -1), (dst, d))
                 if pool.name == tier}
 
     draining = False   # teardown: each start() waits for every copy
@@ -93,13 +93,17 @@ class CopyEngineMachine(BlockManagerMachine):
         others = [s for s in self.live if s is not seq and s.block_table]
         entries = [ScheduledSeq(Request([s]), s, 1) for s in [seq] + others[:1]]
         batch = self.engine.start(self.holder, ScheduledBatch(10**6, list(entries)))
-        for entry in batch.entries:   # what runs reads and writes no block in flight
-            flying = self.pending("device") & set(entry.seq.block_table)
+        for entry in batch.entries:   # what runs reads no block a copy writes, and writes none
+            table = entry.seq.block_table   # a copy reads (a write-ahead may read its full blocks)
+            flying = self.pending("device", reads=False) & set(table)
+            flying |= self.pending("device") & set(table[entry.seq.num_computed_tokens // BLOCK_SIZE:])
             assert not flying, f"seq {entry.seq.seq_id} runs on blocks in flight: {flying}"
         if entries[0] not in batch.entries:   # loading: a later step runs it, once they arrive
             self.engine.wait(self.engine.loading(entries[0].request))
             self.holds_back += 1
-        assert not self.pending("device") & set(seq.block_table), "written in flight"
+        writes = seq.block_table[start // BLOCK_SIZE:]
+        assert not self.pending("device", reads=False) & set(seq.block_table), "read in flight"
+        assert not self.pending("device") & set(writes), "written in flight"
         super().write(seq, start)   # (its make_copies finds nothing new queued)
 
     @rule(open_gate=st.booleans())
@@ -185,30 +189,38 @@ class OrderedLinks:
         self.made.append(copy)
 
 
-def test_the_request_that_waits_for_the_fewest_copies_gets_them_first():
-    """A's three loads are queued before B's one, the link held: B's load is made first, or
-    second if the worker took A's first before B's was queued; B runs first; A's in order."""
-    bm = nanopaged.BlockManager(8, BLOCK_SIZE, num_cpu_blocks=8, events=nanopaged.EventLog())
+def test_a_request_runs_while_its_full_blocks_are_written_through_and_their_eviction_drops():
+    """On an idle link a step writes the full blocks a running request holds through to the host;
+    the request runs meanwhile (the copies only read them). Freed and then evicted, the blocks
+    are dropped, their copies found below; nothing is written down a second time."""
+    bm = nanopaged.BlockManager(4, BLOCK_SIZE, num_cpu_blocks=4, events=nanopaged.EventLog())
     holder = Holder()
-    holder.device, holder.links = torch.device("cpu"), OrderedLinks()
+    holder.device, holder.links = torch.device("cpu"), OrderedLinks()   # the link held
     holder.block_manager, holder.events = bm, bm.events
     engine = CopyEngine(holder)
-    loads = [(bm.host, b, bm.device, b) for b in range(4)]   # A: blocks 0-2, B: block 3
-    bm.copies.extend(loads)
-    a, b = (nanopaged.Sequence([1] * BLOCK_SIZE * n) for n in (3, 1))
-    a.block_table, b.block_table = [0, 1, 2], [3]
-    batch = ScheduledBatch(10**6, [ScheduledSeq(Request([s]), s, 1) for s in (a, b)])
-    def open_the_link():   # once start() has queued all four and chosen whom to serve first
-        while not engine.urgent:
-            time.sleep(0.001)
-        holder.links.gate.set()
-
-    threading.Thread(target=open_the_link).start()   # (start() waits for B: nobody can run)
-    ran = engine.start(holder, batch)
-    assert [e.seq for e in ran.entries][-1] is b
+    seq = nanopaged.Sequence(list(range(2 * BLOCK_SIZE + 1)))
+    bm.allocate(seq)
+    seq.num_computed_tokens = len(seq)
+    bm.cache_full_blocks(seq)   # blocks 0 and 1 full and registered, 2 holds the last token
+    opener = threading.Timer(10, holder.links.gate.set)   # (if start() waited: not forever)
+    opener.start()
+    ran = engine.start(holder, ScheduledBatch(10**6, [ScheduledSeq(Request([seq]), seq, 1)]))
+    assert [e.seq for e in ran.entries] == [seq]   # not held back: its blocks are only read
+    assert bm.copies == deque() and len(engine.unmade) == 2, "the step waited for the copies"
+    full = seq.block_table[:2]
+    opener.cancel()
+    holder.links.gate.set()
     engine.wait(set(engine.unmade))
-    made = holder.links.made   # (A's first may have been taken before B's was queued)
-    assert made.index(loads[3]) <= 1 and [c for c in made if c != loads[3]] == loads[:3]
+    assert [(src.name, b, dst.name) for src, b, dst, _ in holder.links.made] == [
+        ("device", full[0], "host"), ("device", full[1], "host")]
+    bm.free(seq)
+    other = nanopaged.Sequence(list(range(100, 100 + 4 * BLOCK_SIZE - 1)))
+    bm.allocate(other)   # takes all four device blocks: both cached ones evicted
+    drops = [e.block_ids for e in bm.events.take() if e.kind == "drop"]
+    assert sorted(b for ids in drops for b in ids) == sorted(full)
+    assert bm.num_offloaded_blocks == 2 and not bm.copies
+    bm.free(other)
+    bm.check_invariants()
     engine.stop()
 
 

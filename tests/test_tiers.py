@@ -661,7 +661,7 @@ def test_a_dropped_block_hands_its_hits_to_its_copy_below():
     prompts that found it count on in the copy: a block found less often cannot evict it."""
     bm = BlockManager(2, BS, num_cpu_blocks=1)
     cached(bm, toks(0, 4))                            # A on the device
-    nanopaged.write_ahead(bm, 2)                      # A's copy on the host, found by nobody yet
+    nanopaged.write_ahead(bm, {})                     # A's copy on the host, found by nobody yet
     for i in range(5):
         cached(bm, toks(0, 4) + [100 + i])            # five prompts find A on the device
     forget(bm)
