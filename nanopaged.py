@@ -1251,7 +1251,7 @@ EVENT_WORDS = {   # the plain words of each kind of event, for the live view and
     "copy": "seq {seqs} copies shared block {blocks} to block {to} before writing (copy-on-write)",
     "evict": "{tier} block {blocks} is evicted from the prefix cache (cached, held by nobody)",
     "write down": "{tier} block {blocks} evicted, its K/V written down to {to_tier} block {to}",
-    "write ahead": "{tier} block {blocks}, next out, written down ahead to {to_tier} block {to}",
+    "write ahead": "{tier} block {blocks} written down ahead (it stays) to {to_tier} block {to}",
     "drop": "{tier} block {blocks} evicted; its copy stays, in {to_tier} block {to}",
     "load": "seq {seqs} finds block {blocks} in the {tier} tier: loaded into block {to}{why}",
     "swap out": "seq {seqs} swapped out: blocks {blocks} to host blocks {to}",
@@ -1412,14 +1412,14 @@ class Links:
 class CopyEngine:
     """async_copies=True: the copies between tiers are made on a worker thread (torch's copies
     let go of the GIL; on CUDA on a side stream, after an event of the step that queued them),
-    while the steps compute. A request with a block in flight sits steps out (loading) until its
-    copies are made (a copy that only reads a full block holds nobody back: the step only reads
-    it too); copy-on-write is made at once, on the step's path; a step whose every request is
-    loading waits for the first. Copies are made in the order queued; a step that finds the link
-    idle queues write-aheads (write_ahead), so that later evictions find their copies below."""
+    while the steps compute. A request sits steps out (loading) while a copy still writes one of
+    its blocks, or reads one it may write (not a write-ahead's read of a full block: the step
+    only reads it too); copy-on-write is made at once, on the step's path; a step whose every
+    request is loading waits for the first. Copies are made in the order queued; a step that
+    finds the link idle queues write-aheads (write_ahead): later evictions find copies below."""
 
     def __init__(self, llm):
-        self.queue = queue.SimpleQueue()   # (ticket, copy, ready event, after); None: stop
+        self.queue = queue.SimpleQueue()   # (ticket, copy, ready event), made in order; None: stop
         self.tickets = itertools.count(1)  # each queued copy's number
         self.unmade = set()    # the tickets queued and not yet made (nor failed)
         self.in_flight = {}    # (tier name, block id) -> the last ticket that reads or writes it
@@ -1494,12 +1494,12 @@ class CopyEngine:
                 events.record("loading", [s.seq_id for s in request.seqs])
         return batch
 
-    def loading(self, request):   # the copies its device blocks still wait for (empty: none)
-        tickets = {self.in_flight.get(("device", b)) for s in request.seqs for b in s.block_table}
-        # all but a write-ahead's: it reads a registered block, whose K/V never change (the step
-        # may read it too); an evicted one (unregistered) may be written once the copy is made
-        return {t for t in tickets & self.unmade if self.started[t][0].name != "device"
-                or self.started[t][0].blocks[self.started[t][1]].hash is None}
+    def loading(self, request):   # the copies its device blocks still wait for (empty: none):
+        mine = {("device", b) for s in request.seqs for b in s.block_table}
+        # those that write one, or read one evicted (unregistered: the step may write it); not a
+        # write-ahead's, which reads a registered block: K/V that never change, the step's too
+        return {t for t, (src, i, dst, j) in self.started.items() if t in self.unmade and
+                ((dst.name, j) in mine or (src.name, i) in mine and src.blocks[i].hash is None)}
 
     def wait(self, *tickets):   # until one of the sets of tickets is all made: the step waits
         t0 = time.perf_counter()
@@ -1516,8 +1516,8 @@ class CopyEngine:
         unmade, self.failed = (self.failed or (None, []))[1], None
         return {(dst_tier, dst) for _, _, dst_tier, dst in unmade}
 
-WRITE_AHEAD = 16   # async_copies: the cached blocks next out that an idle link copies below, and
-WRITE_AHEAD_PER_STEP = 4   # the held ones (0: none); at most 4 a step, the worker's queue short
+WRITE_AHEAD = 16   # async_copies: the cached blocks next out that an idle link copies below, then
+WRITE_AHEAD_PER_STEP = 4   # the held ones (WRITE_AHEAD 0: no write-ahead at all); 4 at most a step
 
 def write_ahead(bm, through):
     """Device blocks with no copy below get one in the first tier below that keeps it (_keeps, as
@@ -1539,7 +1539,7 @@ def write_ahead(bm, through):
 
 def _written_through(bm, through):   # (lazy: each block looked at as write_ahead asks for it)
     for seq in list(bm.device.seqs.values()):   # through: seq -> (its table, blocks looked at)
-        table, start = through.get(seq, (None, 0))   # (a new table: freed, swapped, recomputed)
+        table, start = through.get(seq, (None, 0))   # (a new table: freed, allocated again)
         for i in range(start if table is seq.block_table else 0,
                        seq.num_computed_tokens // bm.block_size):
             through[seq] = seq.block_table, i + 1

@@ -75,7 +75,7 @@ class CopyEngineMachine(BlockManagerMachine):
 
     def pending(self, tier, reads=True):
         """Blocks of tier a queued copy writes (or reads) and has not yet: the truth, not the
-        engine's bookkeeping (the worker makes loads first, so not in the order queued)."""
+        engine's bookkeeping."""
         queued = Counter(self.engine.queue.copies) - Counter(self.links.made)
         return {b for src, s, dst, d in queued for pool, b in ((src, s if reads else -1), (dst, d))
                 if pool.name == tier}
@@ -221,6 +221,33 @@ def test_a_request_runs_while_its_full_blocks_are_written_through_and_their_evic
     assert bm.num_offloaded_blocks == 2 and not bm.copies
     bm.free(other)
     bm.check_invariants()
+    engine.stop()
+
+
+def test_a_swap_out_reading_a_block_does_not_hide_its_load_still_in_flight():
+    """A load into device block 0 is in flight, then a swap-out of another holder reads block 0
+    (registered, its tokens known): B, whose table holds block 0, still waits for the load (the
+    read comes last on the block, but the write before it is not made); a bystander runs."""
+    bm = nanopaged.BlockManager(8, BLOCK_SIZE, num_cpu_blocks=8, events=nanopaged.EventLog())
+    holder = Holder()
+    holder.device, holder.links = torch.device("cpu"), OrderedLinks()   # the link held
+    holder.block_manager, holder.events = bm, bm.events
+    engine = CopyEngine(holder)
+    b, bystander = (nanopaged.Sequence([1] * BLOCK_SIZE) for _ in range(2))
+    b.block_table, bystander.block_table = [0], [5]
+    bm.device.blocks[0].hash = 123   # registered when its load was queued
+
+    def step(*seqs):
+        batch = ScheduledBatch(10**6, [ScheduledSeq(Request([s]), s, 1) for s in seqs])
+        return [e.seq for e in engine.start(holder, batch).entries]
+
+    bm.copies.append((bm.host, 3, bm.device, 0))   # b's load
+    assert step(bystander, b) == [bystander]
+    bm.copies.append((bm.device, 0, bm.host, 4))   # another holder of block 0 swapped out
+    assert step(bystander, b) == [bystander], "b ran on a block still arriving"
+    holder.links.gate.set()
+    engine.wait(set(engine.unmade))
+    assert step(bystander, b) == [bystander, b]
     engine.stop()
 
 
