@@ -1464,9 +1464,8 @@ class CopyEngine:
         while copies:
             src_tier, src, dst_tier, dst = copies[0]
             keys = [(src_tier.name, src), (dst_tier.name, dst)]
-            after = {self.in_flight.get(key, 0) for key in keys} & self.unmade
             if src_tier is dst_tier:   # copy-on-write: after what is in flight on its blocks
-                self.wait(after)
+                self.wait({self.in_flight.get(key, 0) for key in keys} & self.unmade)
                 llm.links.copy(*copies[0])
             else:   # (a Ctrl-C anywhere here: the undo's flush waits for whatever was queued)
                 ticket = next(self.tickets)   # (on CUDA after the K/V written so far: an event)
