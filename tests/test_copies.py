@@ -319,6 +319,7 @@ def test_a_swapped_request_swaps_in_ahead_while_others_spend_the_step():
     report = llm.step()   # the long prompt's next 8 tokens spend the budget
     assert [(e.request, e.num_new_tokens) for e in report.batch.entries] == [(long, 8)]
     assert [e.seq_ids for e in report.events if e.kind == "swap in"] == [(short.seqs[0].seq_id,)]
+    llm.copy_engine.wait(set(llm.copy_engine.unmade))   # (a busy machine: the worker not yet run)
     report = llm.step()   # the short one decodes again, while the long one still prefills
     assert [e.request for e in report.batch.entries] == [short, long]
     assert long.seqs[0].num_computed_tokens < len(prompts[1])
