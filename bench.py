@@ -7,6 +7,7 @@ bench.py: the claims of paging, measured on this machine beside baselines, in fi
     python bench.py --only prefix      one experiment; --json FILE writes every figure
 """
 import json
+import math
 import platform
 import random
 import time
@@ -58,6 +59,9 @@ def mixed_workload(llm, num_requests, seed=0, sample_every=0):
         params.append(SamplingParams(temperature=0.8 if sample else 0, n=2 if sample else 1,
                                      max_tokens=rng.randint(8, 128), ignore_eos=True, seed=i))
     return prompts, params
+
+def engine(args, **kwargs):   # an LLM on the command line's model, device and kv_cache_dtype
+    return LLM(args.model, device=args.device, **{"kv_cache_dtype": args.kv_cache_dtype, **kwargs})
 
 def run(llm, prompts, params):
     """Requests through the engine: (each output's token ids, seconds, the pool after each step)."""
@@ -125,7 +129,7 @@ def memory(args):
 def throughput(args):
     """The same greedy requests (eos off) through nanopaged and three transformers baselines."""
     num_blocks = args.num_requests * MAX_LEN // 16   # room for every request at once
-    llm = LLM(args.model, device=args.device, num_blocks=num_blocks)
+    llm = engine(args, num_blocks=num_blocks)
     prompts, params = mixed_workload(llm, args.num_requests)
     ours, seconds, _ = run(llm, prompts, params)
     hf = load_hf(args.model, llm.seed)[0].to(llm.device)   # the weights nanopaged runs
@@ -149,7 +153,7 @@ def prefix(args):
     arrives every other step. TTFT: from add_requests to the first token."""
     rows = []
     for caching in (True, False):
-        llm = LLM(args.model, device=args.device, enable_prefix_caching=caching,
+        llm = engine(args, enable_prefix_caching=caching,
                   num_blocks=args.num_requests * 27)   # 412 + 16 tokens: 27 blocks, room for all
         text = corpus(llm)
         prompts = [text[:400] + text[1000 + 37 * i:1012 + 37 * i] for i in range(args.num_requests)]
@@ -169,14 +173,14 @@ def prefix(args):
 
 def preemption(args):
     """The mixed workload (--quick: half) in a third of its peak need, in every preemption mode."""
-    llm = LLM(args.model, device=args.device, num_blocks=args.num_requests * MAX_LEN // 16)
+    llm = engine(args, num_blocks=args.num_requests * MAX_LEN // 16)
     prompts, params = mixed_workload(llm, args.num_requests // (2 if args.quick else 1), seed=2)
     want, _, seen = run(llm, prompts, params)
     need = max(nanopaged.max_blocks_needed(llm, len(p), q) for p, q in zip(prompts, params))
     num_blocks = max(need, max(s["used_blocks"] for s in seen) // 3)
     rows = []
     for mode in ("recompute", "swap", "auto")[:2 if args.quick else 3]:   # --quick: no auto
-        llm = LLM(args.model, device=args.device, num_blocks=num_blocks, preemption_mode=mode,
+        llm = engine(args, num_blocks=num_blocks, preemption_mode=mode,
                   num_cpu_blocks=0 if mode == "recompute" else num_blocks)
         got, seconds, _ = run(llm, prompts, params)
         s = llm.stats()
@@ -186,6 +190,49 @@ def preemption(args):
            ["mode", "preemptions", "blocks swapped out", "output tokens/s", "outputs equal"], rows,
            "The unconstrained run's tokens, in every mode: " +
            ", ".join(f"{r[0]} {'yes' if r[4] else 'NO'}" for r in rows) + ".")
+
+def kv_dtype(args):
+    """The KV cache in the model's dtype and in INT8 (kv_cache_dtype): bytes per block, blocks in
+    the default pool; 32 prompts (--quick: 8) in the memory of a quarter of their blocks in the
+    model's dtype: requests at once, tokens/s; accuracy against the model's dtype (32 greedy
+    tokens, eos off): the first token's top-1 agreement and mean KL divergence, the outputs
+    identical, the mean position where the others first differ."""
+    llm = engine(args, kv_cache_dtype="auto", num_blocks=1)
+    text, rng = corpus(llm), random.Random(3)
+    starts = rng.sample(range(len(text) - 256), 8 if args.quick else 32)
+    prompts = [text[i:i + rng.randint(32, 256)] for i in starts]
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    need = sum(nanopaged.max_blocks_needed(llm, len(p), greedy) for p in prompts)
+    memory = need // 4 * llm.links.bytes_per_block["device"]   # a quarter of the blocks, in bytes
+    rows, want = [], None
+    for dtype in ("auto", "int8"):
+        llm = engine(args, kv_cache_dtype=dtype)   # the default pool: how many blocks, how big
+        default_blocks = llm.block_manager.num_blocks
+        bytes_per_block = llm.links.bytes_per_block["device"]
+        llm = engine(args, kv_cache_dtype=dtype, num_blocks=memory // bytes_per_block)
+        outs, seconds, seen = run(llm, prompts, [greedy] * len(prompts))
+        first = []   # each prompt's first-token log-probs, as the model hands its logits on
+        hook = llm.model.register_forward_hook(lambda m, a, out: first.append(out.log_softmax(-1)))
+        for prompt in prompts:   # (a step each: one row of logits each)
+            llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
+        hook.remove()
+        first = torch.cat(first)
+        want = want or (first, outs)
+        differ = [next(i for i, (a, b) in enumerate(zip(o[0], w[0])) if a != b)
+                  for o, w in zip(outs, want[1]) if o != w]
+        rows.append((dtype if dtype == "int8" else str(llm.dtype)[6:], bytes_per_block,
+                     default_blocks, max(s["running_requests"] for s in seen),
+                     llm.num_generated_tokens / seconds,
+                     (first.argmax(-1) == want[0].argmax(-1)).float().mean().item(),
+                     (want[0].exp() * (want[0] - first)).sum(-1).mean().item(),
+                     mean(o == w for o, w in zip(outs, want[1])), mean(differ or [math.nan])))
+    report("kv_dtype", f"{len(prompts)} prompts, {memory / 2**20:.0f} MiB of KV cache",
+           ["kv_cache_dtype", "bytes per block", "default pool", "requests at once", "tokens/s",
+            "top-1 agreement", "KL", "identical", "differ from"], rows,
+           f"INT8 stores {rows[1][2] / rows[0][2]:.2f}x the blocks in the same memory, runs "
+           f"{rows[1][3] / rows[0][3]:.1f}x the requests at once at {rows[1][4] / rows[0][4]:.2f}x "
+           f"the tokens/s; its first token agrees with {rows[0][0]}'s on {rows[1][5]:.0%} of the "
+           f"prompts, and {rows[1][7]:.0%} of its greedy outputs are identical.")
 
 def multiturn(args):
     """Chats, each turn the whole history and a new 64-token message (16 tokens back), one request
@@ -197,16 +244,21 @@ def multiturn(args):
     quarter = num_chats * num_blocks // 8   # host blocks for a quarter of the chats
     tiers = dict(num_cpu_blocks=quarter, num_disk_blocks=4 * num_blocks)
     ahead = nanopaged.WRITE_AHEAD
+    sizes = engine(args, num_blocks=1, offload_kv_cache_dtype="int8").links.bytes_per_block
+    int8_more = sizes["device"] / sizes["host"]   # INT8 host blocks in a model-dtype one's bytes
     configs = {"device only": {}, "+ host": dict(num_cpu_blocks=num_chats * num_blocks),
-               "+ 1/4 host": dict(num_cpu_blocks=quarter), "+ 1/4 host, disk": tiers,
+               "+ 1/4 host": dict(num_cpu_blocks=quarter),
+               "+ 1/4 host in INT8": dict(num_cpu_blocks=int(quarter * int8_more),
+                                          offload_kv_cache_dtype="int8"),
+               "+ 1/4 host, disk": tiers,
                "slow links: blocking": dict(tiers, async_copies=False),
                "slow links: async": tiers, "slow links: write-ahead": tiers}
-    LLM(args.model, device=args.device, num_blocks=num_blocks).generate([[1] * 64])  # warm-up
+    engine(args, num_blocks=num_blocks).generate([[1] * 64])  # warm-up
     rows, want, gbps = [], None, None
     for name, pools in configs.items():
         nanopaged.WRITE_AHEAD = 0 if name == "slow links: async" else ahead   # (ahead: last)
         slow = dict(tier_gbps=gbps) if name.startswith("slow") else {}
-        llm = LLM(args.model, device=args.device, num_blocks=num_blocks, **pools, **slow)
+        llm = engine(args, num_blocks=num_blocks, **pools, **slow)
         text, chats, ttft = corpus(llm), [[] for _ in range(num_chats)], []
         t0 = time.perf_counter()
         for i in range(num_turns * num_chats):   # a chat's new message, then the reply
@@ -220,7 +272,7 @@ def multiturn(args):
         # links beside a GPU: a block over PCIe in 4 tokens' compute, over NVMe in 12 (recompute:
         # 16), scaled to this machine: the device-only run's seconds a token computed
         per_token = seconds / (s["num_prefill_tokens_computed"] + s["num_generated_tokens"])
-        gbps = gbps or {t: llm.links.bytes_per_block / (k * per_token) / 1e9
+        gbps = gbps or {t: llm.links.bytes_per_block["device"] / (k * per_token) / 1e9
                         for t, k in (("host", 4), ("disk", 12))}
         below = [s[f"{t}_prefix_cache_hits"] for t in ("host", "disk")]   # tokens found below
         hits = [s["prefix_cache_hits"] - sum(below), *below]
@@ -229,18 +281,22 @@ def multiturn(args):
         rows.append((name, s["num_prefill_tokens_computed"], rates, mean(ttft),
                      sorted(ttft)[int(0.9 * len(ttft))], s["num_generated_tokens"] / seconds,
                      s["copy_wait_seconds"], chats == want))
+    r = {row[0]: row for row in rows}
     report("multiturn", f"{num_chats} chats of {num_turns} turns, {num_blocks} device blocks",
            ["tiers", "prefill computed", "hits: device host disk", "ttft mean", "ttft p90",
             "tokens/s", "waited (s)", "same"], rows,
-           f"With a host tier {1 - rows[1][1] / rows[0][1]:.0%} fewer prompt tokens are computed "
-           f"and the first token comes {rows[0][3] / rows[1][3]:.1f}x sooner. Over links emulated "
-           f"(tier_gbps) as PCIe and NVMe beside a GPU (host {gbps['host']:.3g}, disk "
-           f"{gbps['disk']:.3g} GB/s), copies in the background, written ahead, bring the first "
-           f"token {rows[4][3] / rows[6][3]:.1f}x sooner, with {rows[6][5] / rows[4][5]:.1f}x the "
-           "tokens/s. On a CPU the device is host memory too, and the disk file may sit in the "
+           f"With a host tier {1 - r['+ host'][1] / rows[0][1]:.0%} fewer prompt tokens are "
+           f"computed and the first token comes {rows[0][3] / r['+ host'][3]:.1f}x sooner; a "
+           f"quarter of its memory saves {1 - r['+ 1/4 host'][1] / rows[0][1]:.0%}, or "
+           f"{1 - r['+ 1/4 host in INT8'][1] / rows[0][1]:.0%} holding {int8_more:.1f}x the "
+           f"blocks in INT8. Over links emulated (tier_gbps) as PCIe and NVMe beside a GPU (host "
+           f"{gbps['host']:.3g}, disk {gbps['disk']:.3g} GB/s), copies in the background, written "
+           f"ahead, bring the first token {r['slow links: blocking'][3] / rows[-1][3]:.1f}x "
+           f"sooner, with {rows[-1][5] / r['slow links: blocking'][5]:.1f}x the tokens/s. On a CPU the device is host memory too, and the disk file may sit in the "
            "page cache: unslowed, both links are memory copies.")
 
-EXPERIMENTS = {f.__name__: f for f in (memory, throughput, prefix, preemption, multiturn)}
+EXPERIMENTS = {f.__name__: f for f in (memory, throughput, prefix, preemption, kv_dtype,
+                                        multiturn)}
 
 if __name__ == "__main__":
     p = nanopaged.ArgumentParser(description="nanopaged benchmark: the claims of paging, measured")
@@ -249,11 +305,13 @@ if __name__ == "__main__":
     p.add_argument("--json", help="write every figure to this file")
     p.add_argument("--model", help="None: SmolLM2-135M-Instruct; a directory; random:<preset>")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="the KV cache's dtype in every experiment (kv_dtype compares both)")
     args = p.parse_args()
     if args.json is not None and not nanopaged.writable(args.json):
         p.error(f"--json {args.json!r}: not a file this program can write (a folder? no such one?)")
     try:   # a bad --model or --device: one line, before any experiment (which reuse the model)
-        LLM(args.model, device=args.device, num_blocks=1)
+        engine(args, num_blocks=1)
     except ValueError as e:
         p.error(str(e))
     args.num_requests = 8 if args.quick else 32

@@ -27,7 +27,10 @@ import torch.nn.functional as F
 
 def store_kvcache(k, v, k_cache, v_cache, slot_mapping):
     """k, v: (num_tokens, kv_heads, head_dim); caches: (num_blocks, block_size, kv_heads, head_dim);
-    slot_mapping: (num_tokens,) int64, slot = block_id * block_size + offset."""
+    slot_mapping: (num_tokens,) int64, slot = block_id * block_size + offset. An INT8 cache
+    (kv_cache_dtype="int8", below the banner) stores each row quantized, its scale after it."""
+    if k_cache.dtype == torch.int8:
+        k, v = quantize(k), quantize(v)
     k_cache.view(-1, *k_cache.shape[-2:]).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, *v_cache.shape[-2:]).index_copy_(0, slot_mapping, v)
 
@@ -38,7 +41,8 @@ def store_kvcache(k, v, k_cache, v_cache, slot_mapping):
 def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale):
     """Shapes: see paged_attention_kernel. Decodes and prefill chunks go in two batches: padding
     a decode's one query to the longest chunk would multiply its work."""
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    block_size, num_kv_heads = k_cache.shape[1:3]
+    head_dim = q.shape[2]   # (an INT8 cache's rows are longer: their scales follow)
     group = q.shape[1] // num_kv_heads                                  # query heads per K/V head
     q_lens = query_start_loc.diff()                                     # (num_seqs,)
     out = torch.empty_like(q)
@@ -53,6 +57,8 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_s
         #    tables[j]; each context comes out in order, padded to the longest
         k = k_cache[tables].flatten(1, 2)[:, :max_ctx]          # (seqs, max_ctx, kv_heads, dim)
         v = v_cache[tables].flatten(1, 2)[:, :max_ctx]
+        if k.dtype == torch.int8:   # kv_cache_dtype="int8": what was gathered, back to floats
+            k, v = dequantize(k, q.dtype), dequantize(v, q.dtype)
         # 2. each sequence's new tokens as rows 0 .. q_len - 1 (padding rows repeat a token)
         j = torch.arange(max_q, device=q.device)
         rows = (starts[:, None] + j).clamp(max=len(q) - 1)      # (seqs, max_q) indices into q
@@ -97,6 +103,7 @@ def paged_attention_kernel(
     lse_ptr,              # (splits, num_tokens, num_heads) float32 log-sum-exp of each partial
     q_ptr,                # (num_tokens, num_heads, head_dim) new tokens' queries, back to back
     k_cache_ptr, v_cache_ptr,   # (num_blocks, block_size, num_kv_heads, head_dim): K, V pools
+    k_scale_ptr, v_scale_ptr,   # QUANTIZED: the float32 view of each pool, at a row's scale
     block_tables_ptr,     # (num_seqs, max_blocks_per_seq) int32 physical block ids
     context_lens_ptr,     # (num_seqs,) int32 tokens in each context, new ones included
     query_start_loc_ptr,  # (num_seqs + 1,) int32: sequence i's new tokens are rows qsl[i]..
@@ -105,6 +112,7 @@ def paged_attention_kernel(
     stride_kb, stride_kt, stride_kh,   # cache strides per block, per slot, per KV head (V: same)
     stride_ot, stride_oh, stride_os, stride_lt, stride_ls,   # out per token, head, split; lse
     NUM_SPLITS: tl.constexpr,       # 1: the whole context in one program; >1: flash-decoding
+    QUANTIZED: tl.constexpr,        # INT8 pools: rows of head_dim int8, then a float32 scale
     GROUP: tl.constexpr,            # query heads per KV head
     GROUP_PADDED: tl.constexpr,     # GROUP rounded up to a power of 2 (tl.arange needs one)
     BLOCK_M: tl.constexpr,          # new tokens per program (rows = BLOCK_M * GROUP_PADDED)
@@ -150,6 +158,10 @@ def paged_attention_kernel(
         kv_mask = pos_ok[:, None] & (d[None, :] < HEAD_DIM)
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)   # (BLOCK_N, BLOCK_D), once
         v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)   # for the whole group
+        if QUANTIZED:   # dequantized in registers: each row's scale, 4 bytes after its values
+            scales = (slot + kv_head * stride_kh) // 4               # (BLOCK_N, 1) float32 index
+            k = (k * tl.load(k_scale_ptr + scales, mask=pos_ok[:, None], other=0.0)).to(q.dtype)
+            v = (v * tl.load(v_scale_ptr + scales, mask=pos_ok[:, None], other=0.0)).to(q.dtype)
         # 4. scores, causal mask, online softmax
         s = tl.dot(q, tl.trans(k)) * scale                           # (rows, BLOCK_N) float32
         s = tl.where(pos_ok[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
@@ -185,17 +197,21 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, quer
     block_m = max(1, (16 if max_query_len == 1 else 64) // group_padded)
     grid = (len(block_tables), num_kv_heads, triton.cdiv(max_query_len, block_m) * num_kv_splits)
     out = torch.empty_like(q) if out is None else out
+    quantized = k_cache.dtype == torch.int8   # each scale: a float32 after its row's head_dim
+    k_scale, v_scale = (c.view(torch.float32)[..., head_dim // 4] if quantized else c
+                        for c in (k_cache, v_cache))
     partial, lse = out, out.new_empty(1, 1, 1, dtype=torch.float32)   # one split: into out, no lse
     if num_kv_splits > 1:   # (splits, num_tokens, heads, head_dim) and (splits, num_tokens, heads)
         partial = q.new_empty(num_kv_splits, *q.shape, dtype=torch.float32)
         lse = q.new_empty(num_kv_splits, num_tokens, num_heads, dtype=torch.float32)
     paged_attention_kernel[grid](
-        partial, lse, q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
+        partial, lse, q, k_cache, v_cache, k_scale, v_scale,
+        block_tables, context_lens, query_start_loc, scale,
         q.stride(0), q.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         partial.stride(-3), partial.stride(-2), partial.stride(0) if num_kv_splits > 1 else 0,
         lse.stride(1), lse.stride(0),
-        NUM_SPLITS=num_kv_splits, GROUP=group, GROUP_PADDED=group_padded, BLOCK_M=block_m,
+        NUM_SPLITS=num_kv_splits, QUANTIZED=quantized, GROUP=group, GROUP_PADDED=group_padded, BLOCK_M=block_m,
         BLOCK_N=64 if head_dim <= 64 else 32, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim))
     if num_kv_splits > 1:   # merge: weight each slice's output by its share of the total exp-sum
@@ -230,6 +246,22 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
 # ==============================================================================================
 # reading path ends here; below, for a second reading: the flash-decoding switch, check, benchmark
 # ==============================================================================================
+
+# ----------------------------------------------------------------------------------------------
+# kv_cache_dtype="int8": symmetric INT8 with a scale per token and KV head. A cache row holds the
+# head_dim int8 values, then in 4 bytes the row's float32 scale: a block's scales are in its own
+# slice of the cache, so that every copy (copy-on-write, swap, write-down, load) moves them too.
+
+def quantize(x):
+    """(..., head_dim) floats -> (..., head_dim + 4) int8: round(x / scale), then scale's bytes,
+    scale = max |x| / 127 over the row (symmetric: 0 stays 0; -127 .. 127)."""
+    scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-30) / 127   # (..., 1)
+    values = (x.float() / scale).round().to(torch.int8)
+    return torch.cat((values, scale.view(torch.int8)), -1)
+
+def dequantize(x, dtype):
+    """(..., head_dim + 4) int8 -> (..., head_dim) in dtype: values times their row's scale."""
+    return (x[..., :-4] * x[..., -4:].view(torch.float32)).to(dtype)
 
 def num_kv_splits_for(num_seqs, num_kv_heads, max_context_len, num_sms):
     """The flash-decoding switch: split a context only when (sequence, KV head) programs are too

@@ -54,6 +54,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
+from kernel import dequantize, quantize   # (INT8 tiers, section 8)
 from model import Batch, load_model   # transformers is imported only when a model is loaded
 
 # ----------------------------------------------------------------------------------------------
@@ -809,7 +810,8 @@ class LLM:
     def __init__(self, model=None, device=None, dtype=None, block_size=16, num_blocks=None,
                  num_cpu_blocks=0, num_disk_blocks=0, disk_path=None, enable_prefix_caching=True,
                  max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=None,
-                 preemption_mode="auto", seed=0, async_copies=True, tier_gbps=None):
+                 preemption_mode="auto", seed=0, kv_cache_dtype="auto",
+                 offload_kv_cache_dtype="auto", async_copies=True, tier_gbps=None):
         # the arguments are checked before the model loads, which takes seconds (section 5)
         check_engine_args(**{k: v for k, v in locals().items() if k != "self"})
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -819,29 +821,30 @@ class LLM:
         self.model, self.tokenizer, eos_token_ids = load_model(model, self.device, self.dtype, seed)
         cfg = self.model.config
         self.max_model_len = max_model_len or cfg.max_position_embeddings
-        # a block holds K and V of block_size tokens in every layer: one block id serves all layers
-        kv_size = cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
-        bytes_per_block = 2 * cfg.num_layers * block_size * kv_size
+        # a block holds K and V of block_size tokens in every layer: one block id serves all layers;
+        # an INT8 cache (kv_cache_dtype="int8", section 8) holds a scale too, after each row
+        kv_dtype = torch.int8 if kv_cache_dtype == "int8" else self.dtype
+        block = (2, cfg.num_layers, block_size, cfg.num_kv_heads, kv_row(cfg.head_dim, kv_dtype))
+        bytes_per_block = math.prod(block) * kv_dtype.itemsize
         # the pool by default: on CUDA 80% of what the weights leave free (vLLM's
         # gpu_memory_utilization), on a CPU 1 GiB
         if num_blocks is None:
             budget = 0.8 * torch.cuda.mem_get_info(self.device)[0] if cuda else 2**30
             num_blocks = max(1, int(budget // bytes_per_block))
         # the pools against this machine's memory, max_model_len against the model's (section 5)
-        check_loaded_model(self, max_model_len, num_blocks, num_cpu_blocks, bytes_per_block)
+        # the tiers below, host memory and a file, in offload_kv_cache_dtype ("auto": kv_dtype)
+        low_dtype = torch.int8 if offload_kv_cache_dtype == "int8" else kv_dtype
+        low_block = block[:-1] + (kv_row(cfg.head_dim, low_dtype),)
+        check_loaded_model(self, max_model_len, num_blocks, num_cpu_blocks, bytes_per_block,
+                           math.prod(low_block) * low_dtype.itemsize)
         # (2, num_layers, num_blocks, block_size, kv_heads, head_dim): K and V of every block
-        shape = (2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        # the tiers below, (2, num_layers, n, block_size, kv_heads, head_dim): host memory (pinned
-        # on CUDA) and a file mapped into memory
-        host_shape, disk_shape = (shape[:2] + (n,) + shape[3:]
-                                  for n in (num_cpu_blocks, num_disk_blocks))
-        self.kv_caches = {"device": self.kv_cache,
-                          "host": torch.zeros(host_shape, dtype=self.dtype, pin_memory=cuda),
-                          "disk": open_disk_pool(self, disk_path, disk_shape)}   # (section 8)
+        shape = block[:2] + (num_blocks,) + block[2:]
+        self.kv_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
+        self.kv_caches = lower_tiers(self, low_block, low_dtype, num_cpu_blocks, num_disk_blocks,
+                                     disk_path)   # (section 8)
         # a block copy between tiers, over a link as slow as tier_gbps says (section 8); with
         # async_copies the copy engine makes them in the background
-        self.links = Links(self.kv_caches, tier_gbps, bytes_per_block)
+        self.links = Links(self.kv_caches, tier_gbps)
         self.copy_engine = CopyEngine(self) if async_copies else None
         # the cost rule (section 8): each tier's block copy timed now, each step's tokens after it
         cost = CostModel.measure(self, block_size)
@@ -1068,6 +1071,8 @@ ARG_RULES = {
         k in ("host", "disk") and is_number(v) and v > 0 for k, v in x.items()),
                   "None or a dict of GB/s > 0 by tier, such as {'host': 16, 'disk': 2}"),
     # the rules several parameters share
+    **dict.fromkeys(["kv_cache_dtype", "offload_kv_cache_dtype"],
+                    (lambda x: x in ("auto", "int8"), "'auto' (the model's dtype) or 'int8'")),
     **dict.fromkeys(["num_cpu_blocks", "num_disk_blocks"],
                     (lambda x: is_int(x) and x >= 0, "an int >= 0")),
     **dict.fromkeys(["max_num_seqs", "max_num_batched_tokens", "max_tokens", "n", "beam_width"],
@@ -1118,17 +1123,18 @@ def check_engine_args(device, disk_path, **args):
             "preemption_mode='swap' needs a host pool: num_cpu_blocks > 0")
 
 
-def check_loaded_model(llm, max_model_len, num_blocks, num_cpu_blocks, bytes_per_block):
+def check_loaded_model(llm, max_model_len, num_blocks, num_cpu_blocks, bytes_per_block,
+                       host_bytes_per_block):
     """What can only be checked once the model is known: its length, its block size in bytes."""
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError):   # the system does not say: no check
         ram = math.inf
     on_cpu = llm.device.type == "cpu"
-    in_ram = num_cpu_blocks + (num_blocks if on_cpu else 0)   # on a CPU the device is RAM too
-    require(in_ram * bytes_per_block <= ram, f"num_blocks {num_blocks} (device) and num_cpu_blocks "
-            f"{num_cpu_blocks} (host) of {bytes_per_block} bytes exceed this machine's memory "
-            f"({ram / 2**30:.0f} GiB)")
+    in_ram = num_cpu_blocks * host_bytes_per_block + on_cpu * num_blocks * bytes_per_block
+    require(in_ram <= ram, f"num_blocks {num_blocks} (device, {bytes_per_block} bytes each) and "
+            f"num_cpu_blocks {num_cpu_blocks} (host, {host_bytes_per_block} bytes each) exceed "
+            f"this machine's memory ({ram / 2**30:.0f} GiB)")
     free = math.inf if on_cpu else torch.cuda.mem_get_info(llm.device)[0]
     require(num_blocks * bytes_per_block <= free, f"num_blocks {num_blocks} of {bytes_per_block} "
             f"bytes exceed the {free / 2**30:.1f} GiB free on {llm.device}")
@@ -1354,8 +1360,8 @@ class CostModel:
             for _ in range(3):
                 t0 = time.perf_counter()
                 for i in probe:
-                    cache[:, :, i].copy_(device[:, :, i])
-                    device[:, :, i].copy_(cache[:, :, i])   # (blocking, on CUDA too)
+                    cache[:, :, i].copy_(to_dtype(device[:, :, i], cache.dtype))
+                    device[:, :, i].copy_(to_dtype(cache[:, :, i], device.dtype))   # (blocking)
                 rounds.append(time.perf_counter() - t0)
             seconds[tier] = min(rounds) / (2 * len(probe)) if probe else math.inf
             seconds[tier] = max(seconds[tier], llm.links.seconds.get(tier, 0))   # as emulated
@@ -1393,18 +1399,21 @@ class Links:
     emulate on any machine what PCIe and NVMe do to a GPU server: a copy is held until
     bytes / bandwidth have passed (None: the machine's own speed)."""
 
-    def __init__(self, kv_caches, tier_gbps, bytes_per_block):
+    def __init__(self, kv_caches, tier_gbps):
         self.kv_caches = kv_caches
-        self.bytes_per_block = bytes_per_block
-        self.seconds = {t: bytes_per_block / (g * 1e9) for t, g in (tier_gbps or {}).items()}
+        self.bytes_per_block = {t: c.element_size() * math.prod(c.shape[:2] + c.shape[3:])
+                                for t, c in kv_caches.items()}   # (INT8 tiers: fewer bytes)
+        self.seconds = {t: self.bytes_per_block[t] / (g * 1e9) for t, g in (tier_gbps or {}).items()}
         self.bytes_moved = Counter()   # the lower tier of each copy -> bytes over its link
         self.busy_seconds = 0.0        # copying, in all
 
     def copy(self, src_tier, src, dst_tier, dst):
         t0 = time.perf_counter()
-        self.kv_caches[dst_tier.name][:, :, dst].copy_(self.kv_caches[src_tier.name][:, :, src])
+        kv = self.kv_caches[src_tier.name][:, :, src]
+        into = self.kv_caches[dst_tier.name][:, :, dst]
+        into.copy_(to_dtype(kv, into.dtype))   # (an INT8 tier's: quantized down, dequantized up)
         link = max(src_tier.name, dst_tier.name, key=TIERS.index)   # the lower tier's link
-        self.bytes_moved[link] += self.bytes_per_block
+        self.bytes_moved[link] += self.bytes_per_block[link]   # (INT8 below: fewer)
         if link in self.seconds:   # held until bytes / bandwidth have passed
             time.sleep(max(0.0, self.seconds[link] - (time.perf_counter() - t0)))
         self.busy_seconds += time.perf_counter() - t0
@@ -1544,16 +1553,34 @@ def _written_through(bm, through):   # (lazy: each block looked at as write_ahea
             through[seq] = seq.block_table, i + 1
             yield bm.device.blocks[seq.block_table[i]]
 
+def kv_row(head_dim, dtype):   # a token's K (or V) in one KV head: INT8 has its float32 scale after
+    return head_dim + 4 if dtype == torch.int8 else head_dim
+
+def to_dtype(kv, dtype):   # K/V rows into another tier's dtype: quantized to INT8, or back
+    if kv.dtype == dtype:
+        return kv
+    return quantize(kv) if dtype == torch.int8 else dequantize(kv, dtype)
+
+def lower_tiers(llm, block, dtype, num_cpu_blocks, num_disk_blocks, disk_path):
+    """The K/V caches of every tier: the device's, then host memory (pinned on CUDA) and a file
+    mapped into memory (open_disk_pool) of blocks of that shape and dtype, shaped as the device's:
+    (2, num_layers, n, block_size, kv_heads, head_dim, + 4 if INT8: the scale)."""
+    host_shape, disk_shape = (block[:2] + (n,) + block[2:] for n in (num_cpu_blocks, num_disk_blocks))
+    cuda = llm.device.type == "cuda"
+    return {"device": llm.kv_cache,
+            "host": torch.zeros(host_shape, dtype=dtype, pin_memory=cuda),
+            "disk": open_disk_pool(llm, disk_path, disk_shape, dtype)}
+
 def ms(seconds):   # a measured time, as the trace prints it
     return f"{1e3 * seconds:.3g} ms"
 
-def open_disk_pool(llm, path, shape):
+def open_disk_pool(llm, path, shape, dtype):
     """The disk tier's K/V: a new file (by default a temporary one) mapped into memory, so that a
     copy is the OS's write or read (its page cache may keep it). Its space is reserved whole now:
     a disk too full for it is a ValueError here, never a SIGBUS at a later write. The file goes
     with the engine, at exit, on SIGTERM and on SIGHUP (remove_disk_files), by its absolute path."""
     if not shape[2]:   # no disk tier
-        return torch.zeros(shape, dtype=llm.dtype)
+        return torch.zeros(shape, dtype=dtype)
     try:
         if path is None:
             fd, path = tempfile.mkstemp(prefix="nanopaged-", suffix=".kv")
@@ -1564,7 +1591,7 @@ def open_disk_pool(llm, path, shape):
         raise ValueError(f"disk_path {path!r}: cannot create it ({e.strerror})") from None
     DISK_FILES[path] = owner = (os.getpid(), os.fstat(fd).st_ino)
     remove = weakref.finalize(llm, remove_disk_file, path, owner)
-    num_bytes = math.prod(shape) * llm.dtype.itemsize
+    num_bytes = math.prod(shape) * dtype.itemsize
     try:   # (an OS without posix_fallocate gets a sparse file: a full disk fails later there)
         getattr(os, "posix_fallocate", lambda fd, start, n: os.ftruncate(fd, n))(fd, 0, num_bytes)
     except (OSError, OverflowError) as e:   # no room; or more bytes than a file may have
@@ -1578,7 +1605,7 @@ def open_disk_pool(llm, path, shape):
     for signum in (signal.SIGTERM, signal.SIGHUP):   # by default they kill: the file stays behind
         if is_main_thread() and signal.getsignal(signum) is signal.SIG_DFL:
             signal.signal(signum, remove_disk_files)
-    return torch.from_file(path, shared=True, size=math.prod(shape), dtype=llm.dtype).view(shape)
+    return torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
 
 DISK_FILES = {}   # path -> (process, inode): the disk tiers' files of the live engines
 
@@ -1879,6 +1906,11 @@ class View:
     def metrics(self, report, width):   # the pool's fill, then what the memory system did so far
         s, bm = report.stats, self.llm.block_manager
         usage = f"({bm.num_used_blocks()}/{bm.num_blocks} blocks)"
+        dtypes = {t: str(c.dtype)[6:] for t, c in self.llm.kv_caches.items()}   # torch.int8: int8
+        sizes = self.llm.links.bytes_per_block
+        kv = [f"KV cache {dtypes['device']} ({sizes['device']:,} bytes a block)"]
+        if dtypes["host"] != dtypes["device"]:   # offload_kv_cache_dtype
+            kv.append(f"host and disk {dtypes['host']} ({sizes['host']:,} bytes)")
         first = [f"step {report.step}", f"usage {s['kv_cache_usage_perc']:.0%} {usage}",
                  f"cached {len(bm.device.cached_block_ids)}",
                  f"occupancy {s['token_occupancy_perc']:.0%}",
@@ -1890,7 +1922,7 @@ class View:
             host, disk = (s[f"{t}_prefix_cache_hits"] // bm.block_size for t in ("host", "disk"))
             second += [f"written down {s['num_offloaded_blocks']}",
                        f"loaded {s['num_loaded_blocks']} blocks (host {host}, disk {disk})"]
-        return phrases(first, width) + phrases(second, width)
+        return phrases(kv, width) + phrases(first, width) + phrases(second, width)
 
     def batch(self, batch, width):   # prefill chunks beside decodes, and the decodes' slots
         ends = itertools.accumulate(n for _, _, n in batch.entries)   # each entry's last token
