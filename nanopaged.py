@@ -1114,7 +1114,7 @@ def check_engine_args(device, disk_path, **args):
     given = os.fspath(disk_path) if isinstance(disk_path, (str, os.PathLike)) else ""
     new_file = not os.path.lexists(given) and writable(given)   # lexists: a dead link is taken
     require(disk_path is None or new_file, "disk_path must be None (a temporary file) or a new "
-            f"file in a folder you may write (removed with the engine), got {disk_path!r}")
+            f"file in a folder you may write (unlinked once mapped), got {disk_path!r}")
     require(disk_path is None or args["num_disk_blocks"] > 0,
             f"disk_path {disk_path!r} holds the disk tier: give num_disk_blocks > 0 with it")
     require(args["enable_prefix_caching"] or not args["num_disk_blocks"], "num_disk_blocks: the "
@@ -1569,62 +1569,42 @@ def lower_tiers(llm, block, dtype, num_cpu_blocks, num_disk_blocks, disk_path):
     cuda = llm.device.type == "cuda"
     return {"device": llm.kv_cache,
             "host": torch.zeros(host_shape, dtype=dtype, pin_memory=cuda),
-            "disk": open_disk_pool(llm, disk_path, disk_shape, dtype)}
+            "disk": open_disk_pool(disk_path, disk_shape, dtype)}
 
 def ms(seconds):   # a measured time, as the trace prints it
     return f"{1e3 * seconds:.3g} ms"
 
-def open_disk_pool(llm, path, shape, dtype):
+def open_disk_pool(path, shape, dtype):
     """The disk tier's K/V: a new file (by default a temporary one) mapped into memory, so that a
     copy is the OS's write or read (its page cache may keep it). Its space is reserved whole now:
-    a disk too full for it is a ValueError here, never a SIGBUS at a later write. The file goes
-    with the engine, at exit, on SIGTERM and on SIGHUP (remove_disk_files), by its absolute path."""
+    a disk too full for it is a ValueError here, never a SIGBUS at a later write. Its name is
+    removed as soon as it is mapped: the mapping keeps the file, nameless, and the OS frees its
+    space when the last mapping goes (the engine collected, the process ended, even by SIGKILL).
+    Nothing is left behind, and no other process can open it."""
     if not shape[2]:   # no disk tier
         return torch.zeros(shape, dtype=dtype)
     try:
         if path is None:
             fd, path = tempfile.mkstemp(prefix="nanopaged-", suffix=".kv")
-        else:   # resolved now: a later change of directory does not move it
-            path = os.path.realpath(path)
+        else:
+            path = os.fspath(path)   # a str or a Path: torch.from_file takes a str
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)   # a new file only
     except OSError as e:
         raise ValueError(f"disk_path {path!r}: cannot create it ({e.strerror})") from None
-    DISK_FILES[path] = owner = (os.getpid(), os.fstat(fd).st_ino)
-    remove = weakref.finalize(llm, remove_disk_file, path, owner)
     num_bytes = math.prod(shape) * dtype.itemsize
     try:   # (an OS without posix_fallocate gets a sparse file: a full disk fails later there)
         getattr(os, "posix_fallocate", lambda fd, start, n: os.ftruncate(fd, n))(fd, 0, num_bytes)
     except (OSError, OverflowError) as e:   # no room; or more bytes than a file may have
-        remove()   # now, and never again
-        folder = os.path.dirname(path)
-        free = shutil.disk_usage(folder).free
+        folder = os.path.dirname(os.path.abspath(path))
+        free = shutil.disk_usage(folder).free + os.fstat(fd).st_blocks * 512   # its own part: freed
         raise ValueError(f"num_disk_blocks: {num_bytes / 2**20:.1f} MiB do not fit in {folder} "
                          f"({free / 2**20:.1f} MiB free): {getattr(e, 'strerror', e)}") from None
-    finally:
+    else:   # mapped: the mapping keeps the file once its name is gone
+        disk = torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype)
+        return disk.view(shape)
+    finally:   # the name goes at once, mapped or not: nothing outlives the engine
         os.close(fd)
-    for signum in (signal.SIGTERM, signal.SIGHUP):   # by default they kill: the file stays behind
-        if is_main_thread() and signal.getsignal(signum) is signal.SIG_DFL:
-            signal.signal(signum, remove_disk_files)
-    return torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
-
-DISK_FILES = {}   # path -> (process, inode): the disk tiers' files of the live engines
-
-def remove_disk_file(path, owner):   # the file this process made there, never another
-    if DISK_FILES.get(path) != owner or owner[0] != os.getpid():   # a forked child's: not its
-        return
-    del DISK_FILES[path]
-    with contextlib.suppress(FileNotFoundError):
-        if os.stat(path).st_ino == owner[1]:
-            os.remove(path)
-
-def is_main_thread():   # the only thread that gets signals, and may set their handlers
-    return threading.current_thread() is threading.main_thread()
-
-def remove_disk_files(signum, frame):   # SIGTERM, SIGHUP: their default action, files removed first
-    for path, owner in list(DISK_FILES.items()):
-        remove_disk_file(path, owner)
-    signal.signal(signum, signal.SIG_DFL)
-    signal.raise_signal(signum)
+        os.remove(path)
 
 # ----------------------------------------------------------------------------------------------
 # 9. Failure recovery: a step that raises (an error, Ctrl-C) is undone
@@ -1696,7 +1676,8 @@ def interrupts_held(hold=None):
     handler that was there before. With hold, only while hold() says so; at other times that
     handler takes it at once (none of Python's: the default kills, or it is ignored)."""
     previous = signal.getsignal(signal.SIGINT)
-    if not is_main_thread() or hold is not None and not callable(previous):
+    main = threading.current_thread() is threading.main_thread()   # the one that may set handlers
+    if not main or hold is not None and not callable(previous):
         yield
         return
     caught = []

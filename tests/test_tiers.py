@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -352,7 +353,8 @@ def test_chat_histories_come_back_from_host_and_disk_with_the_same_outputs(tmp_p
     assert computed["small host + disk"] == computed["host"] == num_prompt_tokens - hittable
     assert stats["small host + disk"]["num_evictions"] == 0
     bytes_per_block = 2 * 2 * BS * 2 * 16 * 4   # K and V, 2 layers, 2 kv heads of 16, float32
-    assert (tmp_path / "kv.bin").stat().st_size == 64 * bytes_per_block
+    assert llm.kv_caches["disk"].nbytes == 64 * bytes_per_block
+    assert os.listdir(tmp_path) == []   # its hits came from a file whose name was gone all along
 
 
 # ----------------------------------------------------------------------------------------------
@@ -451,39 +453,44 @@ def test_ctrl_c_between_copies_of_loads_and_write_downs_leaves_the_engine_whole(
     assert_no_block_held(llm)
 
 
-def test_the_disk_file_is_new_and_goes_with_its_engine(tmp_path):
-    """disk_path (a str or a Path) names a new file of num_disk_blocks blocks, removed with the
-    engine: two engines never share one, and no file outlives its engine."""
-    path = tmp_path / "kv.bin"
-    llm = LLM("random:tiny", block_size=4, num_blocks=16, num_disk_blocks=8, disk_path=path)
-    assert path.stat().st_size == llm.kv_caches["disk"].nbytes > 0
-    with pytest.raises(ValueError, match="disk_path"):   # taken: a second engine is refused
-        LLM("random:tiny", block_size=4, num_blocks=16, num_disk_blocks=8, disk_path=path)
-    del llm
+def disk_mappings(folder):
+    """This process's mappings of the disk files in folder: (permissions, inode, file name)."""
+    with open("/proc/self/maps") as maps:
+        return [(line.split()[1], line.split()[4], line.split(None, 5)[5].strip()) for line in maps
+                if f" {os.path.realpath(folder)}/" in line and ("kv.bin" in line or ".kv" in line)]
+
+
+@pytest.mark.parametrize("given", ["Path", "relative str", "temporary"])
+def test_the_disk_file_is_nameless_once_mapped_and_goes_with_its_engine(tmp_path, monkeypatch,
+                                                                       given):
+    """disk_path (a Path or a str, relative to the directory of the moment) or the default
+    temporary file: a new file, mapped shared and unlinked at once. The folder holds no name of it
+    while the engine lives, its K/V are read and written there all the same, two engines with
+    one disk_path get two files, and the mapping (so the file) goes with the engine (and its copy
+    worker, which ends after it)."""
+    if not os.path.exists("/proc/self/maps"):
+        pytest.skip("the mappings are read from /proc/self/maps (Linux)")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))   # where the temporary file goes
+    path = {"Path": tmp_path / "kv.bin", "relative str": "kv.bin", "temporary": None}[given]
+    make = lambda: LLM("random:tiny", block_size=BS, num_blocks=16, num_disk_blocks=8,
+                       disk_path=path)
+    kv_files = lambda: [f for f in os.listdir(tmp_path) if f == "kv.bin" or f.endswith(".kv")]
+    first, second = make(), make()   # the name is free again once the first file is mapped
+    assert kv_files() == []
+    (perms, inode, name), (perms2, inode2, name2) = disk_mappings(tmp_path)   # two files, shared
+    assert perms == perms2 == "rw-s" and inode != inode2   # shared: writes go to the file
+    assert name.endswith(" (deleted)") and name2.endswith(" (deleted)")
+    assert name.startswith(str(tmp_path)) and name2.startswith(str(tmp_path))
+    first.kv_caches["disk"].fill_(1.0)
+    second.kv_caches["disk"].fill_(2.0)   # its own file: the first one's K/V stay
+    assert bool((first.kv_caches["disk"] == 1.0).all()) and first.kv_caches["disk"].nbytes > 0
+    workers = [llm.copy_engine.thread for llm in (first, second)]   # they hold the pools too
+    del first, second
     gc.collect()
-    assert not path.exists()
-
-
-# ----------------------------------------------------------------------------------------------
-# The disk file: nothing of the user's harmed, whatever becomes of the engine
-
-
-def test_a_relative_disk_path_removes_its_own_file_after_a_change_of_directory(tmp_path,
-                                                                               monkeypatch):
-    """A relative disk_path names the file in the directory of the moment the engine is made: after
-    a chdir, the engine removes its own file, never a file of the same name where it now runs."""
-    (tmp_path / "run").mkdir()
-    (tmp_path / "other").mkdir()
-    someone_elses = tmp_path / "other" / "kv.bin"
-    someone_elses.write_text("keep me")
-    monkeypatch.chdir(tmp_path / "run")
-    llm = LLM("random:tiny", block_size=BS, num_blocks=16, num_disk_blocks=8, disk_path="kv.bin")
-    assert (tmp_path / "run" / "kv.bin").exists()
-    monkeypatch.chdir(tmp_path / "other")
-    del llm
-    gc.collect()
-    assert someone_elses.read_text() == "keep me"
-    assert not (tmp_path / "run" / "kv.bin").exists()
+    for worker in workers:   # each ends once its engine is collected
+        worker.join(timeout=60)
+    assert disk_mappings(tmp_path) == [] and kv_files() == []
 
 
 def test_a_dangling_symlink_is_not_a_new_disk_file(tmp_path):
@@ -496,53 +503,72 @@ def test_a_dangling_symlink_is_not_a_new_disk_file(tmp_path):
     assert not (tmp_path / "target.bin").exists() and link.is_symlink()
 
 
-def test_the_disk_file_has_its_space_reserved_whole(tmp_path):
+def used_bytes(folder):
+    """The bytes in use on the file system of folder (on a tmpfs of its own: only the test's)."""
+    stats = os.statvfs(folder)
+    return (stats.f_blocks - stats.f_bfree) * stats.f_frsize
+
+
+def test_the_disk_file_has_its_space_reserved_whole_until_the_engine_goes(tmp_path):
     """The disk pool's bytes are allocated on the disk when the engine is made (not a sparse file
-    that a full disk turns into a SIGBUS at a later write-down)."""
-    path = tmp_path / "kv.bin"
-    llm = LLM("random:tiny", block_size=BS, num_blocks=16, num_disk_blocks=256, disk_path=path)
-    assert path.stat().st_blocks * 512 >= llm.kv_caches["disk"].nbytes > 0
+    that a full disk turns into a SIGBUS at a later write-down), held while it lives though the
+    file has no name, and freed when it goes."""
+    with tmpfs(tmp_path / "disk", "size=4M") as folder:
+        before = used_bytes(folder)
+        llm = LLM("random:tiny", block_size=BS, num_blocks=16, num_disk_blocks=256,
+                  disk_path=folder / "kv.bin")
+        num_bytes = llm.kv_caches["disk"].nbytes
+        assert num_bytes == 256 * 2048 and os.listdir(folder) == []
+        assert used_bytes(folder) - before >= num_bytes   # reserved, nothing written yet
+        worker = llm.copy_engine.thread   # it holds the pools too, until it ends after the engine
+        del llm
+        gc.collect()
+        worker.join(timeout=60)
+        assert used_bytes(folder) == before
 
 
 ENGINE_WITH_A_DISK = """
 import sys, time
 from nanopaged import LLM
-llm = LLM("random:tiny", block_size=4, num_blocks=16, num_disk_blocks=8, disk_path=sys.argv[1])
+path = None if sys.argv[1] == "None" else sys.argv[1]
+llm = LLM("random:tiny", block_size=4, num_blocks=16, num_disk_blocks=256, disk_path=path)
+llm.kv_caches["disk"].fill_(1.0)   # every page written: the file's, not the process's memory
 print(llm.kv_caches["disk"].nbytes, flush=True)
 time.sleep(60)
 """
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 @pytest.mark.parametrize("given", [True, False], ids=["disk_path", "temporary"])
-def test_sigterm_and_sighup_remove_the_disk_file(tmp_path, signum, given):
-    """Killed by SIGTERM or SIGHUP, a process dies of that signal as before, its disk file gone
-    (a given disk_path or the default temporary file)."""
-    path = str(tmp_path / "kv.bin") if given else "None"
-    env = dict(os.environ, TMPDIR=str(tmp_path))   # where the temporary file goes
-    script = ENGINE_WITH_A_DISK.replace("disk_path=sys.argv[1]",
-                                        "disk_path=None if sys.argv[1] == 'None' else sys.argv[1]")
-    # both signals at their default action in the child, as in a shell (under nohup SIGHUP is
-    # ignored, and the engine rightly leaves an ignored signal alone)
-    def default():
-        for s in (signal.SIGTERM, signal.SIGHUP):
-            signal.signal(s, signal.SIG_DFL)
+def test_a_killed_process_leaves_no_disk_file(tmp_path, signum, given):
+    """Killed by SIGKILL (no handler can run) or SIGTERM, a process with a disk tier (a given
+    disk_path or the default temporary file) dies of that signal, and leaves neither a file in
+    the folder nor the space its pool held: the file had no name, the OS frees it with the
+    process's mappings."""
+    with tmpfs(tmp_path / "disk", "size=4M") as folder:
+        path = str(folder / "kv.bin") if given else "None"
+        env = dict(os.environ, TMPDIR=str(folder))   # where the temporary file goes
+        proc = subprocess.Popen([sys.executable, "-c", ENGINE_WITH_A_DISK, path], cwd=ROOT,
+                                env=env, stdout=subprocess.PIPE, text=True)
 
-    proc = subprocess.Popen([sys.executable, "-c", script, path], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, text=True, preexec_fn=default)
-    assert int(proc.stdout.readline()) > 0   # the engine is made: its file is there
+        def kv_files():   # (torch may make its own cache folder in TMPDIR too)
+            return [f for f in os.listdir(folder) if f == "kv.bin" or f.endswith(".kv")]
 
-    def kv_files():   # (torch may make its own cache folder in TMPDIR too)
-        return [f for f in os.listdir(tmp_path) if f == "kv.bin" or f.endswith(".kv")]
-
-    assert len(kv_files()) == 1
-    proc.send_signal(signum)
-    assert proc.wait(timeout=60) == -signum
-    assert kv_files() == []
+        try:
+            num_bytes = int(proc.stdout.readline())   # the engine is made, its pool written
+            assert num_bytes == 256 * 2048 and kv_files() == []
+            alive = used_bytes(folder)
+            assert alive >= num_bytes   # the nameless file, on this file system
+            proc.send_signal(signum)
+            assert proc.wait(timeout=60) == -signum
+        finally:   # (a failed assertion above: the child must not sleep on)
+            proc.kill()
+            proc.wait()
+        assert kv_files() == [] and used_bytes(folder) <= alive - num_bytes
 
 
 TWO_ENGINES_ON_A_SMALL_DISK = """
-import sys
+import os, sys
 from nanopaged import LLM, SamplingParams
 folder = sys.argv[1]
 # random:tiny at block_size 4: 2 KiB a block; each disk pool holds 600 KiB of the disk's 1 MiB
@@ -553,6 +579,7 @@ try:
         disk_path=folder + "/second.kv")
 except ValueError as e:
     print("refused:", e)
+print(os.listdir(folder))   # neither the refused engine's file nor the first one's name
 first.kv_caches["disk"].fill_(1.0)   # every byte of the first one's file written
 print(int(first.kv_caches["disk"].sum()) == first.kv_caches["disk"].numel())
 """
@@ -569,7 +596,8 @@ def tmpfs(folder, options):
     try:
         yield folder
     finally:
-        subprocess.run(["umount", str(folder)])
+        # lazy: a failed test's engine (or child) still mapping a file there cannot keep it mounted
+        subprocess.run(["umount", "--lazy", str(folder)])
 
 
 def test_two_engines_on_a_nearly_full_disk_the_second_is_refused_none_dies(tmp_path):
@@ -579,8 +607,9 @@ def test_two_engines_on_a_nearly_full_disk_the_second_is_refused_none_dies(tmp_p
         run = subprocess.run([sys.executable, "-c", TWO_ENGINES_ON_A_SMALL_DISK, str(folder)],
                              cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert run.returncode == 0, run.stderr
-        refused, written = run.stdout.splitlines()
+        refused, names, written = run.stdout.splitlines()
         assert refused.startswith("refused: num_disk_blocks") and "MiB free" in refused
+        assert names == "[]"
         assert written == "True"
         assert os.listdir(folder) == []
 
@@ -605,26 +634,6 @@ def test_a_disk_path_where_no_file_can_be_made_is_one_clean_error(tmp_path, plac
                              capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.startswith("disk_path"), run.stdout + run.stderr
     assert "Exception" not in run.stderr and "Traceback" not in run.stderr, run.stderr
-
-
-FORKED_CHILDREN_END = """
-import multiprocessing, os, sys
-from nanopaged import LLM
-llm = LLM("random:tiny", block_size=4, num_blocks=16, num_disk_blocks=8, disk_path=sys.argv[1])
-with multiprocessing.get_context("fork").Pool(2) as pool:   # its end sends SIGTERM to each child
-    pool.map(abs, [-1, -2])
-print(os.path.exists(sys.argv[1]))
-"""
-
-
-def test_a_forked_child_ending_leaves_its_parents_disk_file_alone(tmp_path):
-    """Children forked from a process with an engine (a multiprocessing pool, ended by SIGTERM)
-    inherit its handlers, and still never remove the disk file: only the process that made it."""
-    path = tmp_path / "kv.bin"
-    run = subprocess.run([sys.executable, "-c", FORKED_CHILDREN_END, str(path)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
-    assert (run.returncode, run.stdout) == (0, "True\n"), run.stderr
-    assert not path.exists()   # the parent removed it at its exit
 
 
 def test_a_disk_pool_too_large_for_any_file_is_a_value_error(tmp_path):
