@@ -197,9 +197,8 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, quer
     block_m = max(1, (16 if max_query_len == 1 else 64) // group_padded)
     grid = (len(block_tables), num_kv_heads, triton.cdiv(max_query_len, block_m) * num_kv_splits)
     out = torch.empty_like(q) if out is None else out
-    quantized = k_cache.dtype == torch.int8   # each scale: a float32 after its row's head_dim
-    k_scale, v_scale = (c.view(torch.float32)[..., head_dim // 4] if quantized else c
-                        for c in (k_cache, v_cache))
+    quantized = k_cache.dtype == torch.int8   # kv_cache_dtype="int8": its scales too (below)
+    k_scale, v_scale = (scales(c, head_dim) if quantized else c for c in (k_cache, v_cache))
     partial, lse = out, out.new_empty(1, 1, 1, dtype=torch.float32)   # one split: into out, no lse
     if num_kv_splits > 1:   # (splits, num_tokens, heads, head_dim) and (splits, num_tokens, heads)
         partial = q.new_empty(num_kv_splits, *q.shape, dtype=torch.float32)
@@ -228,23 +227,13 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
     """max_query_len, max_context_len: the batch's longest query and context, known to the
     caller; given, they spare the kernel a device-to-host read (and choose num_kv_splits)."""
     args = (q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
-    backend = os.environ.get("NANOPAGED_ATTENTION") or ("triton" if q.is_cuda else "torch")
-    if backend == "torch":
+    if backend(q) == "torch":
         return paged_attention_ref(*args)
-    if backend != "triton":
-        raise ValueError(f"NANOPAGED_ATTENTION must be 'triton' or 'torch', got {backend!r}")
-    if triton is None:
-        raise RuntimeError("NANOPAGED_ATTENTION=triton, but Triton is not installed")
-    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("NANOPAGED_ATTENTION=triton on CPU tensors needs TRITON_INTERPRET=1")
-    splits = 1
-    if q.is_cuda:
-        max_ctx = max_context_len or int(context_lens.max())
-        splits = num_kv_splits_for(len(block_tables), k_cache.shape[2], max_ctx, num_sms(q.device))
+    splits = num_kv_splits_for(q, k_cache, block_tables, context_lens, max_context_len)
     return paged_attention_triton(*args, max_query_len, splits)
 
 # ==============================================================================================
-# reading path ends here; below, for a second reading: the flash-decoding switch, check, benchmark
+# reading path ends here; below, a second reading: INT8, the backend, flash-decoding, check, bench
 # ==============================================================================================
 
 # ----------------------------------------------------------------------------------------------
@@ -259,20 +248,38 @@ def quantize(x):
     values = (x.float() / scale).round().to(torch.int8)
     return torch.cat((values, scale.view(torch.int8)), -1)
 
+def scales(cache, head_dim):   # an INT8 cache's scales, as float32: (num_blocks, block_size, heads)
+    return cache.view(torch.float32)[..., head_dim // 4]   # (the kernel: its data pointer)
+
 def dequantize(x, dtype):
     """(..., head_dim + 4) int8 -> (..., head_dim) in dtype: values times their row's scale."""
     return (x[..., :-4] * x[..., -4:].view(torch.float32)).to(dtype)
 
-def num_kv_splits_for(num_seqs, num_kv_heads, max_context_len, num_sms):
-    """The flash-decoding switch: split a context only when (sequence, KV head) programs are too
-    few to fill the GPU's num_sms and contexts are long (at least ~1k tokens per slice)."""
-    programs = num_seqs * num_kv_heads
+def backend(q):   # "torch" or "triton": NANOPAGED_ATTENTION, or the tensors' device
+    name = os.environ.get("NANOPAGED_ATTENTION") or ("triton" if q.is_cuda else "torch")
+    if name not in ("triton", "torch"):
+        raise ValueError(f"NANOPAGED_ATTENTION must be 'triton' or 'torch', got {name!r}")
+    if name == "triton" and triton is None:
+        raise RuntimeError("NANOPAGED_ATTENTION=triton, but Triton is not installed")
+    if name == "triton" and not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("NANOPAGED_ATTENTION=triton on CPU tensors needs TRITON_INTERPRET=1")
+    return name
+
+def num_kv_splits_for(q, k_cache, block_tables, context_lens, max_context_len=None):
+    """The flash-decoding switch (CUDA; elsewhere 1): split a context only when (sequence, KV
+    head) programs are too few to fill the GPU's streaming multiprocessors and contexts are long
+    (at least ~1k tokens per slice)."""
+    if not q.is_cuda:
+        return 1
+    max_context_len = max_context_len or int(context_lens.max())
+    programs = len(block_tables) * k_cache.shape[2]
+    num_sms = multiprocessors(q.device)
     if programs >= num_sms or max_context_len < 2048:
         return 1
     return min(16, max_context_len // 1024, (2 * num_sms) // programs)
 
 @functools.cache
-def num_sms(device):   # streaming multiprocessors: how many programs the GPU runs at once
+def multiprocessors(device):   # streaming multiprocessors: how many programs the GPU runs at once
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 def random_case(seed=0, block_size=4, num_kv_heads=2, group=3, head_dim=16,
@@ -313,7 +320,7 @@ def bench_decode(batches=(1, 8, 64, 256), contexts=(512, 1024, 2048, 4096, 8192,
         q = torch.randn(batch, num_heads, head_dim, **bf16)    # one new token each
         context_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
         qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-        splits = num_kv_splits_for(batch, num_kv_heads, ctx, num_sms(q.device))
+        splits = num_kv_splits_for(q, k_cache, block_tables, context_lens, ctx)
         args = (q, k_cache, v_cache, block_tables, context_lens, qsl, head_dim ** -0.5)
         ms = do_bench(lambda: paged_attention_triton(*args, max_query_len=1, num_kv_splits=splits))
         nbytes = (2 * batch * ctx * num_kv_heads * head_dim + 2 * q.numel()) * q.element_size()
