@@ -224,11 +224,11 @@ def kv_dtype(args):
                      default_blocks, max(s["running_requests"] for s in seen),
                      llm.num_generated_tokens / seconds,
                      (first.argmax(-1) == want[0].argmax(-1)).float().mean().item(),
-                     (want[0].exp() * (want[0] - first)).sum(-1).mean().item(),
+                     f"{(want[0].exp() * (want[0] - first)).sum(-1).mean().item():.4f}",
                      mean(o == w for o, w in zip(outs, want[1])), mean(differ or [math.nan])))
     report("kv_dtype", f"{len(prompts)} prompts, {memory / 2**20:.0f} MiB of KV cache",
-           ["kv_cache_dtype", "bytes per block", "default pool", "requests at once", "tokens/s",
-            "top-1 agreement", "KL", "identical", "differ from"], rows,
+           ["kv_cache_dtype", "bytes/block", "default pool", "at once", "tokens/s", "top-1",
+            "KL", "identical", "differ at"], rows,
            f"INT8 stores {rows[1][2] / rows[0][2]:.2f}x the blocks in the same memory, runs "
            f"{rows[1][3] / rows[0][3]:.1f}x the requests at once at {rows[1][4] / rows[0][4]:.2f}x "
            f"the tokens/s; its first token agrees with {rows[0][0]}'s on {rows[1][5]:.0%} of the "

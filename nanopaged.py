@@ -2102,6 +2102,9 @@ if __name__ == "__main__":
     p.add_argument("--num-disk-blocks", type=int, help="blocks in the disk pool (offload)")
     p.add_argument("--disk-path", help="the disk pool's file (default: a temporary one)")
     p.add_argument("--preemption-mode", choices=["recompute", "swap", "auto"], help="see README")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], help="auto: the model's dtype")
+    p.add_argument("--offload-kv-cache-dtype", choices=["auto", "int8"],
+                   help="the host and disk pools' dtype (auto: as the device pool's)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     p.add_argument("--max-num-batched-tokens", type=int, help="tokens a step computes at most")
     p.add_argument("--watermark-blocks", type=int,
@@ -2117,7 +2120,7 @@ if __name__ == "__main__":
     kwargs = dict(demo_pool(args.demo, args.block_size), block_size=args.block_size,
                   enable_prefix_caching=not args.no_prefix_caching)
     optional = ("num_blocks", "num_cpu_blocks", "num_disk_blocks", "disk_path", "preemption_mode",
-                "max_num_batched_tokens")
+                "max_num_batched_tokens", "kv_cache_dtype", "offload_kv_cache_dtype")
     kwargs.update({k: getattr(args, k) for k in optional if getattr(args, k) is not None})
     try:
         llm = LLM(args.model, device=args.device, **kwargs)
