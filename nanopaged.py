@@ -131,13 +131,6 @@ class Sequence:
     def append_token(self, token_id):
         self.token_ids.append(token_id)
 
-    def child(self, index=0):
-        """A new sequence with this one's tokens: sample `index` (or a beam) of its request, to
-        share this one's blocks (BlockManager.fork)."""
-        child = Sequence(self.token_ids, self.request_id, index)
-        child.num_prompt_tokens = self.num_prompt_tokens
-        return child
-
 class RequestStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -758,9 +751,11 @@ class Scheduler:
                 elif s.num_output_tokens >= request.params.max_tokens:
                     self.finish(request, s, "length")
 
-    # a new sequence of request, sharing parent's blocks
+    # a new sequence of request with parent's tokens (its prompt as long): sample `index` (or a
+    # beam), sharing parent's blocks
     def fork_seq(self, request, parent, index=0):
-        child = parent.child(index)
+        child = Sequence(parent.token_ids, parent.request_id, index)
+        child.num_prompt_tokens = parent.num_prompt_tokens
         self.block_manager.fork(parent, child)
         request.seqs.append(child)
         return child
