@@ -35,11 +35,8 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 2048
-
-    def __post_init__(self):
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
-                             f"({self.num_kv_heads})")
+    # (num_heads a multiple of num_kv_heads: load_model builds every model through
+    # config_from_hf, which refuses any other)
 
 # random:<name> builds a model of this shape with random weights: tests and GPU timing need no files
 PRESETS = {
@@ -209,6 +206,9 @@ def config_from_hf(c) -> ModelConfig:
         ("attention bias", getattr(c, "attention_bias", False)),
         ("mlp bias", getattr(c, "mlp_bias", False)),
         (f"activation {act!r}", act != "silu"),
+        # grouped-query attention: each K/V head serves the same number of query heads
+        ("num_heads not a multiple of num_kv_heads",
+         c.model_type in ("llama", "mistral") and c.num_attention_heads % c.num_key_value_heads),
     ] if present]
     if unsupported:
         raise ValueError(f"unsupported: {', '.join(unsupported)}; nanopaged runs plain Llama "

@@ -132,13 +132,6 @@ class Sequence:
     def append_token(self, token_id):
         self.token_ids.append(token_id)
 
-    def child(self, index=0):
-        """A new sequence with this one's tokens: sample `index` (or a beam) of its request, to
-        share this one's blocks (BlockManager.fork)."""
-        child = Sequence(self.token_ids, self.request_id, index)
-        child.num_prompt_tokens = self.num_prompt_tokens
-        return child
-
 class RequestStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -239,17 +232,20 @@ class BlockManager:
         self.copies = deque()
         self.prefix_ids = itertools.count()
         self.clock = itertools.count(1)   # ticks for Block.cached_at
-        # metrics, counted as they happen (vLLM's names where vLLM has one)
-        self.prefix_cache_queries = 0    # tokens looked up
-        self.prefix_cache_hits = 0       # tokens found, in any tier
-        self.tier_hits = Counter()       # tier -> tokens found there (the device's not counted)
-        self.num_evictions = 0           # cached blocks dropped: their K/V lost to the cache
-        self.num_offloaded_blocks = 0    # cached blocks written down a tier
-        self.num_loaded_blocks = 0       # cached blocks read back up to the device
-        self.num_write_downs_skipped = 0   # evictions dropped: the tiers below full (_keeps)
-        self.num_cow_copies = 0          # shared blocks copied before a write
-        self.num_swapped_out_blocks = 0  # blocks copied to the host with their request
-        self.num_swapped_in_blocks = 0   # and back
+        # metrics, counted as they happen, under the names stats() reports (vLLM's where vLLM
+        # has one); a name not counted yet reads 0:
+        #   prefix_cache_queries     tokens looked up
+        #   prefix_cache_hits        tokens found, in any tier
+        #   host_prefix_cache_hits   of those, the tokens loaded up from the host tier
+        #   disk_prefix_cache_hits   and from the disk tier (the device's are not counted by tier)
+        #   num_evictions            cached blocks dropped: their K/V lost to the cache
+        #   num_offloaded_blocks     cached blocks written down a tier
+        #   num_loaded_blocks        cached blocks read back up to the device
+        #   num_write_downs_skipped  evictions dropped: the tiers below full (_keeps)
+        #   num_cow_copies           shared blocks copied before a write
+        #   num_swapped_out_blocks   blocks copied to the host with their request
+        #   num_swapped_in_blocks    and back
+        self.counts = Counter()
 
     # -- the hash chain: h[i] = H(h[i-1], tokens of block i), so one dictionary look-up per tier
     #    finds a block that ends a given prefix. Hashes can collide; _cache_hits checks them.
@@ -318,8 +314,8 @@ class BlockManager:
             elif below is not None:
                 self._write_down(pool, block, below, "write down")
             else:   # its K/V are lost to the prefix cache
-                self.num_evictions += 1
-                self.num_write_downs_skipped += any(t.num_free_blocks for t in lower)
+                self.counts["num_evictions"] += 1
+                self.counts["num_write_downs_skipped"] += any(t.num_free_blocks for t in lower)
                 self.events.record("evict", [], [block.block_id], pool)
             self._unregister(pool, block)
             pool.free_block_ids.append(block.block_id)
@@ -337,7 +333,7 @@ class BlockManager:
         self.copies.append((pool, block.block_id, below, dst.block_id))
         self._register(below, dst, block.entry)   # after its copy is queued (section 9)
         self._cache(below, dst)
-        self.num_offloaded_blocks += 1
+        self.counts["num_offloaded_blocks"] += 1
         self.events.record(kind, [], [block.block_id], pool, [dst.block_id], below)
 
     def _allocate_block(self, pool):
@@ -372,8 +368,8 @@ class BlockManager:
         self._register(self.device, self.device.blocks[block_id], block.entry)
         self._unregister(pool, block)
         self._release(pool, block)   # free: it no longer holds a prefix
-        self.num_loaded_blocks += 1
-        self.tier_hits[pool.name] += self.block_size
+        self.counts["num_loaded_blocks"] += 1
+        self.counts[f"{pool.name}_prefix_cache_hits"] += self.block_size
         return block_id
 
     # -- whole sequences
@@ -415,8 +411,8 @@ class BlockManager:
             self.events.record("prefix hit", [seq.seq_id], seq.block_table[:len(hits)],
                                num_tokens=seq.num_cached_tokens)
         if self.enable_prefix_caching:
-            self.prefix_cache_queries += len(seq)
-            self.prefix_cache_hits += seq.num_cached_tokens
+            self.counts["prefix_cache_queries"] += len(seq)
+            self.counts["prefix_cache_hits"] += seq.num_cached_tokens
         self.device.seqs[seq.seq_id] = seq
 
     def _needs_new_block(self, seq):
@@ -442,7 +438,7 @@ class BlockManager:
             self.copies.append((self.device, src.block_id, self.device, dst))
             self._release(self.device, src)
             seq.block_table[-1] = dst
-            self.num_cow_copies += 1
+            self.counts["num_cow_copies"] += 1
             self.events.record("copy", [seq.seq_id], [src.block_id], to_ids=[dst])
             return src.block_id, dst
         return None
@@ -524,13 +520,13 @@ class BlockManager:
     def swap_out(self, *seqs):
         """Move seqs to the host pool. Returns [(device_block, host_block)], queued in copies."""
         pairs = self._move(seqs, self.device, self.host, "swap out")
-        self.num_swapped_out_blocks += len(pairs)
+        self.counts["num_swapped_out_blocks"] += len(pairs)
         return pairs
 
     def swap_in(self, *seqs):
         """Move seqs back to the device pool. Returns [(host_block, device_block)]."""
         pairs = self._move(seqs, self.host, self.device, "swap in")
-        self.num_swapped_in_blocks += len(pairs)
+        self.counts["num_swapped_in_blocks"] += len(pairs)
         return pairs
 
     def _move(self, seqs, src, dst, kind):
@@ -756,9 +752,11 @@ class Scheduler:
                 elif s.num_output_tokens >= request.params.max_tokens:
                     self.finish(request, s, "length")
 
-    # a new sequence of request, sharing parent's blocks
+    # a new sequence of request with parent's tokens (its prompt as long): sample `index` (or a
+    # beam), sharing parent's blocks
     def fork_seq(self, request, parent, index=0):
-        child = parent.child(index)
+        child = Sequence(parent.token_ids, parent.request_id, index)
+        child.num_prompt_tokens = parent.num_prompt_tokens
         self.block_manager.fork(parent, child)
         request.seqs.append(child)
         return child
@@ -1304,16 +1302,17 @@ def engine_stats(llm):   # LLM.stats(): fractions and counts, named as vLLM name
     bm = llm.block_manager
     used = bm.num_used_blocks()
     waited = llm.copy_engine.copy_wait_seconds if llm.copy_engine else llm.links.busy_seconds
+    c = bm.counts   # the block manager's counts, under these names (BlockManager.__init__)
     return {
         "kv_cache_usage_perc": used / bm.num_blocks,   # cached blocks nobody holds are free
         "token_occupancy_perc": num_stored_tokens(bm) / max(1, used * bm.block_size),
-        "prefix_cache_queries": bm.prefix_cache_queries,   # in tokens
-        "prefix_cache_hits": bm.prefix_cache_hits,         # in tokens, in any tier
-        "prefix_cache_hit_rate": bm.prefix_cache_hits / max(1, bm.prefix_cache_queries),
-        "host_prefix_cache_hits": bm.tier_hits["host"],    # of those, the tokens loaded up
-        "disk_prefix_cache_hits": bm.tier_hits["disk"],
+        "prefix_cache_queries": c["prefix_cache_queries"],   # in tokens
+        "prefix_cache_hits": c["prefix_cache_hits"],         # in tokens, in any tier
+        "prefix_cache_hit_rate": c["prefix_cache_hits"] / max(1, c["prefix_cache_queries"]),
+        "host_prefix_cache_hits": c["host_prefix_cache_hits"],   # of those, the tokens loaded up
+        "disk_prefix_cache_hits": c["disk_prefix_cache_hits"],
         "num_preemptions": llm.scheduler.num_preemptions,
-        **{name: getattr(bm, name) for name in   # the block manager's counts, under their names
+        **{name: c[name] for name in   # its other counts
            ("num_swapped_out_blocks", "num_swapped_in_blocks", "num_cow_copies", "num_evictions",
             "num_offloaded_blocks", "num_loaded_blocks", "num_write_downs_skipped")},
         "num_prefill_tokens_computed": llm.num_prefill_tokens_computed,

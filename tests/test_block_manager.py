@@ -59,12 +59,12 @@ def test_prefix_hit_through_hash_chain():
     prefix = toks(0, 64)
     a = computed(bm, Sequence(prefix + toks(500, 5)))   # 69 tokens: 4 full blocks registered
     assert len(bm.device.hash_to_block_ids) == 4
-    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (69, 0)
+    assert (bm.counts["prefix_cache_queries"], bm.counts["prefix_cache_hits"]) == (69, 0)
     b = alloc(bm, Sequence(prefix + toks(900, 10)))
     assert b.num_cached_tokens == b.num_computed_tokens == 64
     assert b.block_table[:4] == a.block_table[:4] and b.block_table[4] not in a.block_table
     assert [bm.device.blocks[i].ref_count for i in b.block_table] == [2, 2, 2, 2, 1]
-    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (69 + 74, 64)
+    assert (bm.counts["prefix_cache_queries"], bm.counts["prefix_cache_hits"]) == (69 + 74, 64)
     bm.free(a)
     bm.check_invariants()
     assert [bm.device.blocks[i].ref_count for i in b.block_table[:4]] == [1, 1, 1, 1]
@@ -79,7 +79,7 @@ def test_fully_cached_prompt_still_computes_last_token():
     b = alloc(bm, Sequence(toks(0, 64)))
     assert b.num_cached_tokens == 48
     assert b.block_table[:3] == a.block_table[:3] and b.block_table[3] != a.block_table[3]
-    assert bm.prefix_cache_hits == 48
+    assert bm.counts["prefix_cache_hits"] == 48
     free_all(bm, a, b)
 
 
@@ -89,7 +89,7 @@ def test_chain_needs_first_block_to_match():
     a = computed(bm, Sequence(toks(0, 64) + [7]))
     b = alloc(bm, Sequence(toks(1000, 16) + toks(16, 48) + [7]))
     assert b.num_cached_tokens == 0 and not set(a.block_table) & set(b.block_table)
-    assert bm.prefix_cache_hits == 0
+    assert bm.counts["prefix_cache_hits"] == 0
     free_all(bm, a, b)
 
 
@@ -144,9 +144,9 @@ def test_eviction_keeps_cached_blocks_and_evicts_least_recently_freed():
     assert list(bm.device.cached_block_ids) == [1, 0, 3, 2] and list(bm.device.free_block_ids) == [4, 5]
     assert bm.num_free_blocks == 6 and len(bm.device.hash_to_block_ids) == 4
     f1 = alloc(bm, Sequence(toks(300, 12)))    # truly free blocks first, then a's tail
-    assert f1.block_table == [4, 5, 1] and bm.num_evictions == 1
+    assert f1.block_table == [4, 5, 1] and bm.counts["num_evictions"] == 1
     f2 = alloc(bm, Sequence(toks(400, 8)))     # then a's head, then b's tail
-    assert f2.block_table == [0, 3] and bm.num_evictions == 3
+    assert f2.block_table == [0, 3] and bm.counts["num_evictions"] == 3
     assert list(bm.device.cached_block_ids) == [2] and len(bm.device.hash_to_block_ids) == 1
     free_all(bm, f1, f2)
     lost = alloc(bm, Sequence(toks(100, 8) + [1]))   # a's prefix was evicted
@@ -179,7 +179,7 @@ def test_fork_shares_blocks_and_copies_shared_last_block_on_write():
     assert copies[:3] == [(1, 2), (1, 3), (1, 4)] and copies[3] is None
     assert [s.block_table for s in [parent] + children] == [[0, 2], [0, 3], [0, 4], [0, 1]]
     assert [bm.device.blocks[i].ref_count for i in range(5)] == [4, 1, 1, 1, 1]
-    assert bm.num_cow_copies == 3
+    assert bm.counts["num_cow_copies"] == 3
     free_all(bm, parent, *children)
 
 
@@ -235,7 +235,7 @@ def test_prefix_caching_disabled_registers_and_hits_nothing():
     b = alloc(bm, Sequence(toks(0, 64) + toks(900, 10)))
     assert b.num_cached_tokens == 0 and not set(a.block_table) & set(b.block_table)
     assert bm.device.hash_to_block_ids == {} and all(blk.hash is None for blk in bm.device.blocks)
-    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (0, 0)
+    assert (bm.counts["prefix_cache_queries"], bm.counts["prefix_cache_hits"]) == (0, 0)
     free_all(bm, a, b)
     assert not bm.device.cached_block_ids and len(bm.device.free_block_ids) == 10
 

@@ -170,9 +170,9 @@ def test_the_machine_reaches_a_request_held_back_while_its_blocks_are_in_flight(
         drop(m.live[-1])
     assert m.bm.host.hash_to_block_ids, "nothing was written down"
     m.every_copy_finishes()
-    loaded, held = m.bm.num_loaded_blocks, m.holds_back
+    loaded, held = m.bm.counts["num_loaded_blocks"], m.holds_back
     m.allocate(0, 12, [1])   # found below: loaded, in flight while the bystander runs
-    assert m.bm.num_loaded_blocks > loaded and m.holds_back == held + 1
+    assert m.bm.counts["num_loaded_blocks"] > loaded and m.holds_back == held + 1
     m.every_sequence_reads_its_own_tokens()
     m.teardown()
 
@@ -218,7 +218,7 @@ def test_a_request_runs_while_its_full_blocks_are_written_through_and_their_evic
     bm.allocate(other)   # takes all four device blocks: both cached ones evicted
     drops = [e.block_ids for e in bm.events.take() if e.kind == "drop"]
     assert sorted(b for ids in drops for b in ids) == sorted(full)
-    assert bm.num_offloaded_blocks == 2 and not bm.copies
+    assert bm.counts["num_offloaded_blocks"] == 2 and not bm.copies
     bm.free(other)
     bm.check_invariants()
     engine.stop()

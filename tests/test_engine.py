@@ -115,7 +115,7 @@ def test_n4_sampling_shares_prompt_blocks_and_copies_only_the_partial_block():
         bm = llm.block_manager
         tables = [list(s.block_table) for s in running_seqs(llm)]
         seen.append((len(tables), [[bm.device.blocks[b].ref_count for b in t] for t in tables], tables,
-                     bm.num_cow_copies))
+                     bm.counts["num_cow_copies"]))
 
     llm.on_step.append(watch)
     out = llm.generate([prompt], SamplingParams(temperature=1.0, n=4, max_tokens=5, seed=1))[0]

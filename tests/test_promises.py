@@ -375,17 +375,19 @@ UNSUPPORTED = {   # (config class, what it cannot run exactly, message)
     "linear rope scaling": (transformers.LlamaConfig,
                             dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope"),
     "sliding window": (transformers.MistralConfig, dict(sliding_window=4096), "sliding"),
+    "uneven K/V heads": (transformers.LlamaConfig, dict(num_key_value_heads=3), "num_kv_heads"),
 }
 
 
 @pytest.mark.parametrize("case", list(UNSUPPORTED))
 def test_config_from_hf_refuses_what_it_cannot_run_exactly(case):
-    """A plain config converts; the same config with rope scaling or a sliding window is refused."""
+    """A plain config converts; the same config with rope scaling, a sliding window or K/V heads
+    that do not divide its heads is refused."""
     config_class, feature, match = UNSUPPORTED[case]
     plain = {name: None for name in feature}   # the same model without the feature
-    assert config_from_hf(config_class(**SMALL, **plain)).vocab_size == 256
+    assert config_from_hf(config_class(**{**SMALL, **plain})).vocab_size == 256
     with pytest.raises(ValueError, match=match):
-        config_from_hf(config_class(**SMALL, **feature))
+        config_from_hf(config_class(**{**SMALL, **feature}))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -68,6 +68,11 @@ def where_is(bm, token_ids):
             for b, t in blocks.items() if t == tuple(token_ids)]
 
 
+def tier_hits(bm):
+    """(host, disk): the prefix-cache hits, in tokens, loaded up from each tier."""
+    return tuple(bm.counts[f"{tier}_prefix_cache_hits"] for tier in ("host", "disk"))
+
+
 # ----------------------------------------------------------------------------------------------
 # The BlockManager by hand: write-downs, drops, loads, swap-out, the cost rule, collisions
 
@@ -90,7 +95,7 @@ def test_device_eviction_writes_the_block_down_to_host():
     assert bm.host.hash_to_block_ids == {entry[0]: {0: None}}
     assert bm.device.blocks[0].hash is None and bm.device.blocks[0].token_ids == ()
     assert entry[0] not in bm.device.hash_to_block_ids
-    assert (bm.num_offloaded_blocks, bm.num_evictions) == (1, 0)
+    assert (bm.counts["num_offloaded_blocks"], bm.counts["num_evictions"]) == (1, 0)
     bm.free(b)                                        # b computed nothing: its block is free
     bm.check_invariants()
     assert list(bm.device.free_block_ids) == [0] and not bm.device.cached_block_ids
@@ -110,7 +115,7 @@ def test_a_full_host_takes_only_a_block_found_more_often_than_its_next_out():
     cached(bm, toks(20, 4) + [99])                    # finds P2 (hits 1); its new block evicts P3
     assert taken(bm) == [("device", 1, "disk", 0)]    # found by nobody, as the host's: to disk
     assert events(bm)[:1] == [("write down", (1,), (0,), "disk", "device")]
-    assert where_is(bm, toks(30, 4)) == [("disk", 0)] and bm.num_write_downs_skipped == 0
+    assert where_is(bm, toks(30, 4)) == [("disk", 0)] and bm.counts["num_write_downs_skipped"] == 0
     cached(bm, toks(40, 8))                           # evicts P2: found once, more than P0
     assert taken(bm) == [("host", 0, "disk", 1), ("device", 0, "host", 0)]
     assert events(bm) == [("write down", (0,), (1,), "disk", "host"),
@@ -120,7 +125,7 @@ def test_a_full_host_takes_only_a_block_found_more_often_than_its_next_out():
                               "disk": {0: (30, 31, 32, 33), 1: (0, 1, 2, 3)}}
     assert bm.host.blocks[0].hits == 1                # its copy counts on
     assert list(bm.host.cached_block_ids) == [1, 0]   # P1 is now the least recent
-    assert (bm.num_offloaded_blocks, bm.num_evictions) == (5, 0)
+    assert (bm.counts["num_offloaded_blocks"], bm.counts["num_evictions"]) == (5, 0)
 
 
 def test_tiers_full_of_blocks_found_as_often_drop_the_evicted_block():
@@ -130,11 +135,11 @@ def test_tiers_full_of_blocks_found_as_often_drop_the_evicted_block():
     bm = BlockManager(2, BS, num_cpu_blocks=1, num_disk_blocks=1)
     for start in (0, 10, 20, 30):                     # P0 on host, P1 on disk, P2, P3 on device
         cached(bm, toks(start, 4))
-    assert (bm.num_offloaded_blocks, bm.num_evictions) == (2, 0)
+    assert (bm.counts["num_offloaded_blocks"], bm.counts["num_evictions"]) == (2, 0)
     forget(bm)
     cached(bm, toks(40, 4))                           # evicts P2, found by nobody
     assert taken(bm) == [] and events(bm) == [("evict", (0,), (), "", "device")]
-    assert (bm.num_evictions, bm.num_write_downs_skipped) == (1, 1)
+    assert (bm.counts["num_evictions"], bm.counts["num_write_downs_skipped"]) == (1, 1)
     cached(bm, toks(30, 4) + [99])                    # finds P3; its new block evicts P4
     forget(bm)
     cached(bm, toks(50, 8))                           # evicts P3, found once: to the host
@@ -143,7 +148,7 @@ def test_tiers_full_of_blocks_found_as_often_drop_the_evicted_block():
                               ("write down", (1,), (0,), "host", "device")]
     assert registered(bm) == {"device": {0: (50, 51, 52, 53), 1: (54, 55, 56, 57)},
                               "host": {0: (30, 31, 32, 33)}, "disk": {0: (10, 11, 12, 13)}}
-    assert where_is(bm, toks(0, 4)) == [] and bm.num_write_downs_skipped == 3
+    assert where_is(bm, toks(0, 4)) == [] and bm.counts["num_write_downs_skipped"] == 3
 
 
 def test_prompt_loads_its_prefix_from_host_and_disk():
@@ -154,8 +159,8 @@ def test_prompt_loads_its_prefix_from_host_and_disk():
     cached(bm, toks(0, 8))                            # A0 = 0-3, A1 = 4-7 (freed tail first)
     cached(bm, toks(100, 12))                         # A1 to the host; it full, A0 to disk
     assert where_is(bm, toks(0, 4)) == [("disk", 0)] and where_is(bm, toks(4, 4)) == [("host", 0)]
-    assert bm.prefix_cache_hits == 0
-    loaded = bm.num_loaded_blocks
+    assert bm.counts["prefix_cache_hits"] == 0
+    loaded = bm.counts["num_loaded_blocks"]
     forget(bm)
     c = alloc(bm, Sequence(toks(0, 8) + [99]))
     assert c.block_table == [0, 1, 2] and c.num_cached_tokens == c.num_computed_tokens == 8
@@ -171,8 +176,8 @@ def test_prompt_loads_its_prefix_from_host_and_disk():
     assert [e for e in kinds if e[0] in ("load", "prefix hit", "evict")] == [
         ("evict", (0,), (), "", "device"), ("load", (0,), (0,), "device", "disk"),
         ("load", (0,), (1,), "device", "host"), ("prefix hit", (0, 1), (), "8", "device")]
-    assert dict(bm.tier_hits) == {"host": 4, "disk": 4} and bm.prefix_cache_hits == 8
-    assert bm.num_loaded_blocks - loaded == 2
+    assert tier_hits(bm) == (4, 4) and bm.counts["prefix_cache_hits"] == 8
+    assert bm.counts["num_loaded_blocks"] - loaded == 2
     assert where_is(bm, toks(0, 4)) == [("device", 0)]   # moved up: no copy left below
     assert where_is(bm, toks(4, 4)) == [("device", 1)]
     assert [bm.device.blocks[b].ref_count for b in c.block_table] == [1, 1, 1]
@@ -199,9 +204,9 @@ def test_swap_out_pushes_cached_host_blocks_to_disk_but_never_swapped_ones():
     assert sorted(registered(bm)["host"].values()) == [(100, 101, 102, 103), (104, 105, 106, 107),
                                                        (108, 109, 110, 111)]
     assert sorted(registered(bm)["disk"].values()) == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)]
-    assert bm.num_swapped_out_blocks == 3 and bm.num_evictions == 0
+    assert bm.counts["num_swapped_out_blocks"] == 3 and bm.counts["num_evictions"] == 0
     c = alloc(bm, Sequence(toks(0, 8) + [99]))        # A's first two blocks, from disk
-    assert c.num_cached_tokens == 8 and dict(bm.tier_hits) == {"disk": 8}
+    assert c.num_cached_tokens == 8 and tier_hits(bm) == (0, 8)
     assert [cp[:2] for cp in taken(bm) if cp[2] == "device"] == [("disk", 2), ("disk", 1)]
     assert b.block_table == [2, 1, 0] and [bm.host.blocks[i].ref_count for i in range(3)] == [1] * 3
     assert bm.host.num_free_blocks == 0 and not bm.can_swap_out(c)
@@ -234,12 +239,14 @@ def test_tiers_not_worth_loading_are_neither_written_down_to_nor_read():
     assert where_is(bm, toks(0, 4)) == [("host", 0)]
     rule.worth = {"host": False, "disk": False}
     forget(bm)
-    offloaded, evictions = bm.num_offloaded_blocks, bm.num_evictions
+    offloaded, evictions = bm.counts["num_offloaded_blocks"], bm.counts["num_evictions"]
     c = alloc(bm, Sequence(toks(0, 4) + [99]))
-    assert c.num_cached_tokens == 0 and not bm.tier_hits and bm.num_loaded_blocks == 0
+    assert c.num_cached_tokens == 0 and tier_hits(bm) == (0, 0)
+    assert bm.counts["num_loaded_blocks"] == 0
     assert taken(bm) == []                            # no load, no write-down
     assert [e[0] for e in events(bm)] == ["evict", "evict"]
-    assert (bm.num_offloaded_blocks, bm.num_evictions - evictions) == (offloaded, 2)
+    assert bm.counts["num_offloaded_blocks"] == offloaded
+    assert bm.counts["num_evictions"] - evictions == 2
     assert where_is(bm, toks(0, 4)) == [("host", 0)]   # still there, only not used
     bm.free(c)
     bm.check_invariants()
@@ -260,7 +267,7 @@ def test_a_tier_not_worth_loading_is_skipped_on_the_way_down():
     assert taken(bm) == [("device", 0, "disk", 0)]
     assert registered(bm)["host"] == {} and where_is(bm, toks(0, 4)) == [("disk", 0)]
     c = alloc(bm, Sequence(toks(0, 4) + [99]))
-    assert c.num_cached_tokens == 4 and dict(bm.tier_hits) == {"disk": 4}
+    assert c.num_cached_tokens == 4 and tier_hits(bm) == (0, 4)
     bm.free(c)
     bm.check_invariants()
 
@@ -291,7 +298,7 @@ def test_colliding_hashes_never_hand_out_another_prompts_blocks_from_any_tier(mo
                 assert dst in seq.block_table[:want // BS], (prompt, dst)
         bm.free(seq)
         bm.check_invariants()
-    assert bm.num_loaded_blocks > 0 and set(bm.tier_hits) == {"host", "disk"}
+    assert bm.counts["num_loaded_blocks"] > 0 and all(tier_hits(bm))
 
 
 # ----------------------------------------------------------------------------------------------
