@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import assert_no_block_held, checked
-from kernel import dequantize, paged_attention_ref, paged_attention_triton, quantize, random_case
+from kernel import dequantize, paged_attention_ref, quantize, random_case
 from kernel import store_kvcache
 from nanopaged import LLM, SamplingParams
 
@@ -48,26 +48,22 @@ def test_store_kvcache_quantizes_into_exactly_the_given_slots():
         assert not flat[others].any()
 
 
-@pytest.mark.parametrize("num_kv_splits", [1, 3])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [16, 64])
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_triton_on_int8_caches_matches_the_reference(block_size, group, head_dim, num_kv_splits):
-    """The interpreted kernel loads INT8 and scales and dequantizes them in registers: it agrees
-    with the reference, which dequantizes what it gathers (and that is attention over the
-    dequantized float caches, exactly)."""
+def test_the_reference_on_int8_caches_is_attention_over_their_dequantized_values(block_size, group,
+                                                                               head_dim):
+    """The reference dequantizes what it gathers: exactly attention over the dequantized caches,
+    and close to attention over the float caches they came from (INT8 costs accuracy, not much).
+    The Triton kernel is held to it on INT8 caches in test_triton.py."""
     ctx_q = ((1, 1), (37, 1), (9, 9), (50, 13), (3 * block_size + 3, 7))
     q, k, v, *rest = random_case(block_size + group + head_dim, block_size, 2, group, head_dim,
                                  ctx_q)
     k8, v8 = quantize(k), quantize(v)
     ref = paged_attention_ref(q, k8, v8, *rest)
-    floats = paged_attention_ref(q, dequantize(k8, q.dtype), dequantize(v8, q.dtype), *rest)
-    assert torch.equal(ref, floats)
-    out = paged_attention_triton(q, k8, v8, *rest, max_query_len=13, num_kv_splits=num_kv_splits,
-                                 out=torch.full_like(q, float("nan")))
-    assert not out.isnan().any(), "the kernel left outputs unwritten"
-    assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-4
-    exact = paged_attention_ref(q, k, v, *rest)   # INT8 costs accuracy, not much
+    assert torch.equal(ref, paged_attention_ref(q, dequantize(k8, q.dtype), dequantize(v8, q.dtype),
+                                                *rest))
+    exact = paged_attention_ref(q, k, v, *rest)
     assert 0 < ((ref - exact).abs().max() / exact.abs().max()).item() < 0.05
 
 

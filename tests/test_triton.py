@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import assert_no_block_held, checked
-from kernel import paged_attention_ref, paged_attention_triton, random_case
+from kernel import paged_attention_ref, paged_attention_triton, quantize, random_case
 from nanopaged import LLM, SamplingParams
 
 
@@ -21,15 +21,19 @@ def mixed_batch(rng, block_size):
     return tuple(ctx_q)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "int8"])
 @pytest.mark.parametrize("num_kv_splits", [1, 3], ids=["whole-context", "split-context"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("block_size", [4, 8, 16])
-def test_triton_matches_reference(block_size, group, head_dim, num_kv_splits):
-    """Relative error under 1e-4 in float32 on a random mixed batch with shuffled block tables; no output left unwritten."""
+def test_triton_matches_reference(block_size, group, head_dim, num_kv_splits, kv_cache_dtype):
+    """Relative error under 1e-4 in float32 on a random mixed batch with shuffled block tables; no output left unwritten.
+    INT8 caches (each row's scale after its values): the kernel dequantizes in registers, the reference what it gathers."""
     seed = block_size * 1000 + group * 100 + head_dim + num_kv_splits
     ctx_q = mixed_batch(random.Random(seed), block_size)
     case = random_case(seed, block_size=block_size, num_kv_heads=2, group=group, head_dim=head_dim, ctx_q=ctx_q)
+    if kv_cache_dtype == "int8":
+        case = (case[0], quantize(case[1]), quantize(case[2]), *case[3:])
     q = case[0]
     poisoned = torch.full_like(q, float("nan"))
     out = paged_attention_triton(*case, max_query_len=max(n for _, n in ctx_q), num_kv_splits=num_kv_splits, out=poisoned)
