@@ -829,17 +829,21 @@ class LLM:
         if num_blocks is None:
             budget = 0.8 * torch.cuda.mem_get_info(self.device)[0] if cuda else 2**30
             num_blocks = max(1, int(budget // bytes_per_block))
-        # the pools against this machine's memory, max_model_len against the model's (section 5)
-        # the tiers below, host memory and a file, in offload_kv_cache_dtype ("auto": kv_dtype)
+        # the tiers below hold blocks in offload_kv_cache_dtype ("auto": as the device's)
         low_dtype = torch.int8 if offload_kv_cache_dtype == "int8" else kv_dtype
         low_block = block[:-1] + (kv_row(cfg.head_dim, low_dtype),)
+        # the pools against this machine's memory, max_model_len against the model's (section 5)
         check_loaded_model(self, max_model_len, num_blocks, num_cpu_blocks, bytes_per_block,
                            math.prod(low_block) * low_dtype.itemsize)
         # (2, num_layers, num_blocks, block_size, kv_heads, head_dim): K and V of every block
         shape = block[:2] + (num_blocks,) + block[2:]
         self.kv_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
-        self.kv_caches = lower_tiers(self, low_block, low_dtype, num_cpu_blocks, num_disk_blocks,
-                                     disk_path)   # (section 8)
+        # the tiers below: host memory (pinned on CUDA) and a file mapped into memory (section 8)
+        host_shape, disk_shape = (low_block[:2] + (n,) + low_block[2:]
+                                  for n in (num_cpu_blocks, num_disk_blocks))
+        self.kv_caches = {"device": self.kv_cache,
+                          "host": torch.zeros(host_shape, dtype=low_dtype, pin_memory=cuda),
+                          "disk": open_disk_pool(disk_path, disk_shape, low_dtype)}
         # a block copy between tiers, over a link as slow as tier_gbps says (section 8); with
         # async_copies the copy engine makes them in the background
         self.links = Links(self.kv_caches, tier_gbps)
@@ -1559,16 +1563,6 @@ def to_dtype(kv, dtype):   # K/V rows into another tier's dtype: quantized to IN
     if kv.dtype == dtype:
         return kv
     return quantize(kv) if dtype == torch.int8 else dequantize(kv, dtype)
-
-def lower_tiers(llm, block, dtype, num_cpu_blocks, num_disk_blocks, disk_path):
-    """The K/V caches of every tier: the device's, then host memory (pinned on CUDA) and a file
-    mapped into memory (open_disk_pool) of blocks of that shape and dtype, shaped as the device's:
-    (2, num_layers, n, block_size, kv_heads, head_dim, + 4 if INT8: the scale)."""
-    host_shape, disk_shape = (block[:2] + (n,) + block[2:] for n in (num_cpu_blocks, num_disk_blocks))
-    cuda = llm.device.type == "cuda"
-    return {"device": llm.kv_cache,
-            "host": torch.zeros(host_shape, dtype=dtype, pin_memory=cuda),
-            "disk": open_disk_pool(disk_path, disk_shape, dtype)}
 
 def ms(seconds):   # a measured time, as the trace prints it
     return f"{1e3 * seconds:.3g} ms"
