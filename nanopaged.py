@@ -1051,9 +1051,6 @@ ARG_RULES = {
               "None, 'float32', 'bfloat16', 'float16' (or torch's)"),
     "block_size": (lambda x: is_int(x) and x >= 1 and not x & (x - 1),
                    "a positive power of two (1, 2, 4, ... 16 ...)"),
-    "num_blocks": (lambda x: x is None or is_int(x) and x >= 1, "None or an int >= 1"),
-    "max_model_len": (lambda x: x is None or is_int(x) and x >= 1,
-                      "None (the model's) or an int >= 1"),
     "preemption_mode": (lambda x: x in ("recompute", "swap", "auto"),
                         "'recompute', 'swap' or 'auto'"),
     "seed": (lambda x: is_int(x) and 0 <= x < 2**63, "an int in [0, 2**63)"),
@@ -1061,14 +1058,16 @@ ARG_RULES = {
                     f"0 (greedy) or a number >= {MIN_TEMPERATURE}"),
     "top_p": (lambda x: is_number(x) and MIN_TOP_P <= x <= 1,
               f"a number in (0, 1], at least {MIN_TOP_P}"),
-    "top_k": (lambda x: is_int(x) and x >= 0, "an int >= 0 (0 keeps every token)"),
     "length_penalty": (lambda x: is_number(x) and abs(x) <= MAX_LENGTH_PENALTY,   # a finite power
                        f"a number in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}]"),
     "tier_gbps": (lambda x: x is None or isinstance(x, dict) and all(
         k in ("host", "disk") and is_number(v) and v > 0 for k, v in x.items()),
                   "None or a dict of GB/s > 0 by tier, such as {'host': 16, 'disk': 2}"),
     # the rules several parameters share
-    **dict.fromkeys(["num_cpu_blocks", "num_disk_blocks"],
+    # (None: num_blocks from a memory budget, max_model_len the model's)
+    **dict.fromkeys(["num_blocks", "max_model_len"],
+                    (lambda x: x is None or is_int(x) and x >= 1, "None or an int >= 1")),
+    **dict.fromkeys(["num_cpu_blocks", "num_disk_blocks", "top_k"],   # top_k 0: every token
                     (lambda x: is_int(x) and x >= 0, "an int >= 0")),
     **dict.fromkeys(["max_num_seqs", "max_num_batched_tokens", "max_tokens", "n", "beam_width"],
                     (lambda x: is_int(x) and x >= 1, "an int >= 1")),
