@@ -2006,9 +2006,16 @@ DEMO_POOLS = {"mix": dict(num_blocks=24, num_cpu_blocks=12, preemption_mode="swa
 DEMO_POOLS["overlap"] = dict(DEMO_POOLS["tiers"], async_copies=True,
                              tier_gbps={"host": 0.005, "disk": 0.002})
 
-def demo_arrivals(name, text):
-    """A demo's requests, [(step, prompts, params)]: each queued once the engine has run `step`
-    steps (an idle engine skips ahead to the next), so a trace repeats exactly."""
+def demo_arrivals(name, llm):
+    """A demo's requests to llm, [(step, prompts, params)]: each queued once the engine has run
+    `step` steps (an idle engine skips ahead to the next), so a trace repeats exactly."""
+
+    def text(s, length=None):   # token ids (random weights: a made-up id a word), to length
+        if isinstance(s, str):
+            vocab = llm.model.config.vocab_size
+            s = tokenize(llm, s) if llm.tokenizer else [sum(w.encode()) % vocab for w in s.split()]
+        return (s * length)[:length] if length else s
+
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     longer = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     samples = SamplingParams(temperature=0.8, n=4, max_tokens=10, ignore_eos=True, seed=0)
@@ -2033,14 +2040,6 @@ def demo_arrivals(name, text):
                   (24, [text(q, 28) + text(" Say more.") for q in ask[:2]], greedy)],
     }[name.replace("overlap", "tiers")]
 
-def demo_text(llm):   # text(s, length): token ids (random weights: a made-up id a word)
-    def text(s, length=None):
-        if isinstance(s, str):
-            vocab = llm.model.config.vocab_size
-            s = tokenize(llm, s) if llm.tokenizer else [sum(w.encode()) % vocab for w in s.split()]
-        return (s * length)[:length] if length else s
-    return text
-
 def demo_pool(name, block_size):   # DEMO_POOLS counts 4-token blocks: smaller ones get more
     scale = max(1, 4 // max(1, block_size))   # a block_size < 1 is refused by check_args
     pool = {k: v * scale if k.startswith("num_") else v for k, v in DEMO_POOLS[name].items()}
@@ -2048,7 +2047,7 @@ def demo_pool(name, block_size):   # DEMO_POOLS counts 4-token blocks: smaller o
 
 def run_demo(llm, name, live=False, trace=False, delay=0.0):
     """Run a demo (every request checked first), print its outputs; return its seconds."""
-    arrivals = demo_arrivals(name, demo_text(llm))
+    arrivals = demo_arrivals(name, llm)
     for _, prompts, params in arrivals:
         checked_requests(llm, prompts, params, type(params))
     t0 = time.perf_counter()
