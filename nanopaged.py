@@ -2112,8 +2112,7 @@ if __name__ == "__main__":
     except ValueError as e:   # bad input: nothing ran
         p.error(str(e))
     except KeyboardInterrupt:   # Ctrl-C: the view has given the terminal back, its last frame
-        print("interrupted")   # (or the trace's last step) above
-        sys.exit(130)
+        p.exit(130, "interrupted\n")   # (or the trace's last step) above; 130: 128 + SIGINT
     for k, v in llm.stats().items():
         if args.trace and k.endswith("_seconds"):
             continue   # a trace repeats exactly: it prints no timings
