@@ -2114,8 +2114,7 @@ if __name__ == "__main__":
     except KeyboardInterrupt:   # Ctrl-C: the view has given the terminal back, its last frame
         p.exit(130, "interrupted\n")   # (or the trace's last step) above; 130: 128 + SIGINT
     for k, v in llm.stats().items():
-        if args.trace and k.endswith("_seconds"):
-            continue   # a trace repeats exactly: it prints no timings
-        print(f"{k:28} {v:.3f}" if isinstance(v, float) else f"{k:28} {v}")
+        if not (args.trace and k.endswith("_seconds")):   # a trace repeats exactly: no timings
+            print(f"{k:28} {v:.3f}" if isinstance(v, float) else f"{k:28} {v}")
     if not args.trace:   # a trace repeats exactly: it prints no timings
         print(f"{llm.num_generated_tokens / seconds:.1f} tokens/s generated in {seconds:.1f} s")
