@@ -2090,8 +2090,7 @@ if __name__ == "__main__":
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     p.add_argument("--max-num-batched-tokens", type=int, help="tokens a step computes at most")
     p.add_argument("--watermark-blocks", type=int,
-                   help="blocks a new prompt must leave free while others run (default: 1%% of "
-                        "the pool)")
+                   help="blocks a new prompt leaves free for decodes (default: 1%% of the pool)")
     args = p.parse_args()
     if not 0 <= args.delay <= MAX_DELAY:   # nan too
         p.error(f"argument --delay: must be seconds in [0, {MAX_DELAY}], got {args.delay}")
