@@ -237,13 +237,12 @@ def kv_dtype(args):
 def multiturn(args):
     """Chats, each turn the whole history and a new 64-token message (16 tokens back), one request
     at a time, the chats in turn, in a device pool of two histories; the tiers below it; then slow
-    links, emulated (tier_gbps), with copies that block, in the background, and written ahead."""
+    links, emulated (tier_gbps), with copies that block, then in the background, written ahead."""
     num_chats, num_turns = (4, 4) if args.quick else (8, 6)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     num_blocks = 2 * (num_turns * 80 + 15) // 16   # two chats' last turns
     quarter = num_chats * num_blocks // 8   # host blocks for a quarter of the chats
     tiers = dict(num_cpu_blocks=quarter, num_disk_blocks=4 * num_blocks)
-    ahead = nanopaged.WRITE_AHEAD
     sizes = engine(args, num_blocks=1, offload_kv_cache_dtype="int8").links.bytes_per_block
     int8_more = sizes["device"] / sizes["host"]   # INT8 host blocks in a model-dtype one's bytes
     configs = {"device only": {}, "+ host": dict(num_cpu_blocks=num_chats * num_blocks),
@@ -252,11 +251,10 @@ def multiturn(args):
                                           offload_kv_cache_dtype="int8"),
                "+ 1/4 host, disk": tiers,
                "slow links: blocking": dict(tiers, async_copies=False),
-               "slow links: async": tiers, "slow links: write-ahead": tiers}
+               "slow links: write-ahead": tiers}   # async_copies (the default) writes ahead
     engine(args, num_blocks=num_blocks).generate([[1] * 64])  # warm-up
     rows, want, gbps = [], None, None
     for name, pools in configs.items():
-        nanopaged.WRITE_AHEAD = 0 if name == "slow links: async" else ahead   # (ahead: last)
         slow = dict(tier_gbps=gbps) if name.startswith("slow") else {}
         llm = engine(args, num_blocks=num_blocks, **pools, **slow)
         text, chats, ttft = corpus(llm), [[] for _ in range(num_chats)], []
@@ -292,7 +290,8 @@ def multiturn(args):
            f"blocks in INT8. Over links emulated (tier_gbps) as PCIe and NVMe beside a GPU (host "
            f"{gbps['host']:.3g}, disk {gbps['disk']:.3g} GB/s), copies in the background, written "
            f"ahead, bring the first token {r['slow links: blocking'][3] / rows[-1][3]:.1f}x "
-           f"sooner, with {rows[-1][5] / r['slow links: blocking'][5]:.1f}x the tokens/s. On a CPU the device is host memory too, and the disk file may sit in the "
+           f"sooner, with {rows[-1][5] / r['slow links: blocking'][5]:.1f}x the tokens/s. On a "
+           "CPU the device is host memory too, and the disk file may sit in the "
            "page cache: unslowed, both links are memory copies.")
 
 EXPERIMENTS = {f.__name__: f for f in (memory, throughput, prefix, preemption, kv_dtype,

@@ -1056,9 +1056,6 @@ ARG_RULES = {
               "None, 'float32', 'bfloat16', 'float16' (or torch's)"),
     "block_size": (lambda x: is_int(x) and x >= 1 and not x & (x - 1),
                    "a positive power of two (1, 2, 4, ... 16 ...)"),
-    "num_blocks": (lambda x: x is None or is_int(x) and x >= 1, "None or an int >= 1"),
-    "max_model_len": (lambda x: x is None or is_int(x) and x >= 1,
-                      "None (the model's) or an int >= 1"),
     "preemption_mode": (lambda x: x in ("recompute", "swap", "auto"),
                         "'recompute', 'swap' or 'auto'"),
     "seed": (lambda x: is_int(x) and 0 <= x < 2**63, "an int in [0, 2**63)"),
@@ -1066,7 +1063,6 @@ ARG_RULES = {
                     f"0 (greedy) or a number >= {MIN_TEMPERATURE}"),
     "top_p": (lambda x: is_number(x) and MIN_TOP_P <= x <= 1,
               f"a number in (0, 1], at least {MIN_TOP_P}"),
-    "top_k": (lambda x: is_int(x) and x >= 0, "an int >= 0 (0 keeps every token)"),
     "length_penalty": (lambda x: is_number(x) and abs(x) <= MAX_LENGTH_PENALTY,   # a finite power
                        f"a number in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}]"),
     "tier_gbps": (lambda x: x is None or isinstance(x, dict) and all(
@@ -1075,7 +1071,10 @@ ARG_RULES = {
     # the rules several parameters share
     **dict.fromkeys(["kv_cache_dtype", "offload_kv_cache_dtype"],
                     (lambda x: x in ("auto", "int8"), "'auto' (the model's dtype) or 'int8'")),
-    **dict.fromkeys(["num_cpu_blocks", "num_disk_blocks"],
+    # (None: num_blocks from a memory budget, max_model_len the model's)
+    **dict.fromkeys(["num_blocks", "max_model_len"],
+                    (lambda x: x is None or is_int(x) and x >= 1, "None or an int >= 1")),
+    **dict.fromkeys(["num_cpu_blocks", "num_disk_blocks", "top_k"],   # top_k 0: every token
                     (lambda x: is_int(x) and x >= 0, "an int >= 0")),
     **dict.fromkeys(["max_num_seqs", "max_num_batched_tokens", "max_tokens", "n", "beam_width"],
                     (lambda x: is_int(x) and x >= 1, "an int >= 1")),
@@ -2013,9 +2012,16 @@ DEMO_POOLS = {"mix": dict(num_blocks=24, num_cpu_blocks=12, preemption_mode="swa
 DEMO_POOLS["overlap"] = dict(DEMO_POOLS["tiers"], async_copies=True,
                              tier_gbps={"host": 0.005, "disk": 0.002})
 
-def demo_arrivals(name, text):
-    """A demo's requests, [(step, prompts, params)]: each queued once the engine has run `step`
-    steps (an idle engine skips ahead to the next), so a trace repeats exactly."""
+def demo_arrivals(name, llm):
+    """A demo's requests to llm, [(step, prompts, params)]: each queued once the engine has run
+    `step` steps (an idle engine skips ahead to the next), so a trace repeats exactly."""
+
+    def text(s, length=None):   # token ids (random weights: a made-up id a word), to length
+        if isinstance(s, str):
+            vocab = llm.model.config.vocab_size
+            s = tokenize(llm, s) if llm.tokenizer else [sum(w.encode()) % vocab for w in s.split()]
+        return (s * length)[:length] if length else s
+
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     longer = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     samples = SamplingParams(temperature=0.8, n=4, max_tokens=10, ignore_eos=True, seed=0)
@@ -2040,14 +2046,6 @@ def demo_arrivals(name, text):
                   (24, [text(q, 28) + text(" Say more.") for q in ask[:2]], greedy)],
     }[name.replace("overlap", "tiers")]
 
-def demo_text(llm):   # text(s, length): token ids (random weights: a made-up id a word)
-    def text(s, length=None):
-        if isinstance(s, str):
-            vocab = llm.model.config.vocab_size
-            s = tokenize(llm, s) if llm.tokenizer else [sum(w.encode()) % vocab for w in s.split()]
-        return (s * length)[:length] if length else s
-    return text
-
 def demo_pool(name, block_size):   # DEMO_POOLS counts 4-token blocks: smaller ones get more
     scale = max(1, 4 // max(1, block_size))   # a block_size < 1 is refused by check_args
     pool = {k: v * scale if k.startswith("num_") else v for k, v in DEMO_POOLS[name].items()}
@@ -2055,7 +2053,7 @@ def demo_pool(name, block_size):   # DEMO_POOLS counts 4-token blocks: smaller o
 
 def run_demo(llm, name, live=False, trace=False, delay=0.0):
     """Run a demo (every request checked first), print its outputs; return its seconds."""
-    arrivals = demo_arrivals(name, demo_text(llm))
+    arrivals = demo_arrivals(name, llm)
     for _, prompts, params in arrivals:
         checked_requests(llm, prompts, params, type(params))
     t0 = time.perf_counter()
@@ -2101,8 +2099,7 @@ if __name__ == "__main__":
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     p.add_argument("--max-num-batched-tokens", type=int, help="tokens a step computes at most")
     p.add_argument("--watermark-blocks", type=int,
-                   help="blocks a new prompt must leave free while others run (default: 1%% of "
-                        "the pool)")
+                   help="blocks a new prompt leaves free for decodes (default: 1%% of the pool)")
     args = p.parse_args()
     if not 0 <= args.delay <= MAX_DELAY:   # nan too
         p.error(f"argument --delay: must be seconds in [0, {MAX_DELAY}], got {args.delay}")
@@ -2123,11 +2120,9 @@ if __name__ == "__main__":
     except ValueError as e:   # bad input: nothing ran
         p.error(str(e))
     except KeyboardInterrupt:   # Ctrl-C: the view has given the terminal back, its last frame
-        print("interrupted")   # (or the trace's last step) above
-        sys.exit(130)
+        p.exit(130, "interrupted\n")   # (or the trace's last step) above; 130: 128 + SIGINT
     for k, v in llm.stats().items():
-        if args.trace and k.endswith("_seconds"):
-            continue   # a trace repeats exactly: it prints no timings
-        print(f"{k:28} {v:.3f}" if isinstance(v, float) else f"{k:28} {v}")
+        if not (args.trace and k.endswith("_seconds")):   # a trace repeats exactly: no timings
+            print(f"{k:28} {v:.3f}" if isinstance(v, float) else f"{k:28} {v}")
     if not args.trace:   # a trace repeats exactly: it prints no timings
         print(f"{llm.num_generated_tokens / seconds:.1f} tokens/s generated in {seconds:.1f} s")

@@ -14,7 +14,7 @@ from rich.console import Console
 import nanopaged
 from conftest import assert_no_block_held, checked
 from nanopaged import (DEMOS, LLM, BeamSearchParams, SamplingParams, ScheduledBatch, View,
-                       checked_requests, demo_pool, demo_text, demo_arrivals)
+                       checked_requests, demo_pool, demo_arrivals)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOOD = [5, 6, 7, 8, 9, 10]
@@ -116,7 +116,7 @@ def test_a_bad_command_line_is_one_line_and_exit_status_2(argv):
 def test_every_demo_pool_fits_its_requests_at_any_block_size(name, block_size):
     """A demo's pool is counted in tokens: at block size 1 or 2 its requests still fit."""
     llm = LLM("random:tiny", block_size=block_size, **demo_pool(name, block_size))
-    for _, prompts, params in demo_arrivals(name, demo_text(llm)):
+    for _, prompts, params in demo_arrivals(name, llm):
         assert checked_requests(llm, prompts, params, type(params))
 
 

@@ -12,7 +12,7 @@ from rich.console import Console
 
 from conftest import assert_no_block_held, checked
 from nanopaged import (DEMO_POOLS, DEMOS, LLM, RequestStatus, SamplingParams, View,
-                       demo_arrivals, demo_pool, demo_text, table_text)
+                       demo_arrivals, demo_pool, table_text)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -153,7 +153,7 @@ def test_view_shows_every_block_table_and_metric_as_the_engine_has_them():
 
     with View(llm, live=False, console=console):
         llm.on_step.append(check)   # after the view: it reads the frame this step drew
-        run_arrivals(llm, demo_arrivals("mix", demo_text(llm)))
+        run_arrivals(llm, demo_arrivals("mix", llm))
     assert {"prefix hit", "fork", "copy", "swap out", "swap in", "evict"} <= kinds
     assert_no_block_held(llm)
 
@@ -193,10 +193,9 @@ def test_the_live_view_shows_or_counts_every_event_and_fits_the_terminal(width, 
     full or counted, or the frame says the terminal is too small (never at 80x24 or larger)."""
     llm = checked(LLM("random:tiny", block_size=4, num_disk_blocks=30, async_copies=False,
                       **DEMO_POOLS["mix"]))
-    text = demo_text(llm)
     fill = [(0, [list(range(1, 81))], SamplingParams(temperature=0, max_tokens=2))]   # 20 cached
     evict = [(2, [list(range(100, 172))], SamplingParams(temperature=0, max_tokens=2))]   # 18 new
-    arrivals = [(4 + step, prompts, params) for step, prompts, params in demo_arrivals("mix", text)]
+    arrivals = [(4 + step, prompts, params) for step, prompts, params in demo_arrivals("mix", llm)]
     frames = frames_of(llm, fill + evict + arrivals, width, height)
     most = max(sum(e.kind in ("evict", "write down") for e in report.events) for report, _ in frames)
     assert most >= 14 and any(e.kind == "swap in" for report, _ in frames for e in report.events)
@@ -221,7 +220,7 @@ def test_a_frame_fits_an_80x24_terminal_with_thousands_of_blocks():
     """Thousands of blocks fold into a grid of cells that fits 80 columns and 24 lines."""
     llm = LLM("random:tiny", block_size=4, async_copies=False,
               **{**DEMO_POOLS["mix"], "num_blocks": 5000})
-    frames = frames_of(llm, demo_arrivals("mix", demo_text(llm))[:2], 80, 24)
+    frames = frames_of(llm, demo_arrivals("mix", llm)[:2], 80, 24)
     assert max(len(lines) for _, lines in frames) <= 24
     assert max(len(line) for _, lines in frames for line in lines) <= 80
     words = " ".join(" ".join(frames[0][1]).split())   # the legend may wrap anywhere
@@ -251,7 +250,7 @@ def demo_reports(name):
     llm = checked(LLM("random:tiny", block_size=4, **demo_pool(name, 4)))
     reports = []   # (report, its prefill chunks, its decodes), taken as each step ends
     llm.on_step.append(lambda report: reports.append((report, chunks(report), decodes(report))))
-    run_arrivals(llm, demo_arrivals(name, demo_text(llm)))
+    run_arrivals(llm, demo_arrivals(name, llm))
     assert_no_block_held(llm)
     return llm, reports
 
@@ -315,7 +314,7 @@ def test_the_trace_tells_loads_and_write_downs_in_the_order_their_copies_are_mad
 
         llm.copy_blocks = copy_blocks
         llm.on_step.append(tell)
-        run_arrivals(llm, demo_arrivals(name, demo_text(llm)))
+        run_arrivals(llm, demo_arrivals(name, llm))
         for copies, events in zip(queued, told):
             assert [c for c in copies if c in events] == events
         if name == "tiers":
@@ -331,10 +330,10 @@ def test_the_trace_gives_the_cost_rules_figures_where_it_decides():
                                                           preemption_mode="auto")))
     events = []
     llm.on_step.append(lambda report: events.extend(report.events))
-    run_arrivals(llm, demo_arrivals("preempt", demo_text(llm)))
+    run_arrivals(llm, demo_arrivals("preempt", llm))
     llm = checked(LLM("random:tiny", block_size=4, **demo_pool("tiers", 4)))
     llm.on_step.append(lambda report: events.extend(report.events))
-    run_arrivals(llm, demo_arrivals("tiers", demo_text(llm)))
+    run_arrivals(llm, demo_arrivals("tiers", llm))
     number = r"([\d.e+-]+) ms"
     preempts = [e for e in events if e.kind == "preempt"]
     loads = [e for e in events if e.kind == "load"]
