@@ -1413,6 +1413,8 @@ class Links:
         t0 = time.perf_counter()
         kv = self.kv_caches[src_tier.name][:, :, src]
         into = self.kv_caches[dst_tier.name][:, :, dst]
+        if kv.dtype != into.dtype and into.is_cuda:   # (converted on the GPU: INT8 crosses PCIe)
+            kv = kv.to(into.device)
         into.copy_(to_dtype(kv, into.dtype))   # (an INT8 tier's: quantized down, dequantized up)
         link = max(src_tier.name, dst_tier.name, key=TIERS.index)   # the lower tier's link
         self.bytes_moved[link] += self.bytes_per_block[link]   # (INT8 below: fewer)
