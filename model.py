@@ -213,9 +213,10 @@ def config_from_hf(c) -> ModelConfig:
     if unsupported:
         raise ValueError(f"unsupported: {', '.join(unsupported)}; nanopaged runs plain Llama "
                          "attention (full context, unscaled rotary embeddings, SwiGLU, no biases)")
+    # (transformers 5's Llama and Mistral configs set head_dim themselves where a file has none:
+    # hidden_size // num_attention_heads)
     values = {f.name: getattr(c, HF_NAMES.get(f.name, f.name), None)
               for f in dataclasses.fields(ModelConfig)}
-    values["head_dim"] = values["head_dim"] or c.hidden_size // c.num_attention_heads   # old ones
     values["rope_theta"] = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
     return ModelConfig(**values)
 
