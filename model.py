@@ -137,16 +137,17 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        dims = torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim  # (head_dim/2,)
+        # rotary: the pair (i, i + head_dim/2) turns at frequency theta^(-2i/head_dim); each
+        # frequency stands twice, at both members of its pair, as rotary() pairs them: (head_dim,)
+        dims = torch.arange(0, cfg.head_dim, 2, dtype=torch.float32).repeat(2) / cfg.head_dim
         self.register_buffer("inv_freq", 1.0 / cfg.rope_theta ** dims, persistent=False)
 
     @torch.inference_mode()
     def forward(self, batch: Batch, kv_cache: torch.Tensor) -> torch.Tensor:
         """kv_cache: (2, num_layers, num_blocks, block_size, kv_heads, head_dim)."""
         x = self.embed_tokens(batch.input_ids)                               # (T, hidden)
-        freqs = batch.positions[:, None].float() * self.inv_freq[None, :]    # (T, head_dim / 2)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]                  # (T, 1, head_dim)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        angles = batch.positions[:, None, None].float() * self.inv_freq      # (T, 1, head_dim)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], batch)
         # logits (the vocabulary matmul) only for the last token of a sequence ending its chunk
