@@ -134,9 +134,9 @@ class Llama(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # (tie_word_embeddings: lm_head's weight is embed_tokens' own Parameter; load_model ties
+        # them, once the loaded tensors are in)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
         # rotary: the pair (i, i + head_dim/2) turns at frequency theta^(-2i/head_dim); each
         # frequency stands twice, at both members of its pair, as rotary() pairs them: (head_dim,)
         dims = torch.arange(0, cfg.head_dim, 2, dtype=torch.float32).repeat(2) / cfg.head_dim
@@ -228,7 +228,9 @@ def load_model(name=None, device="cpu", dtype=torch.float32, seed=0):
     model = Llama(config_from_hf(hf.config))
     state = {k.removeprefix("model."): v for k, v in hf.state_dict().items()}
     model.load_state_dict(state, assign=True)   # transformers' own tensors: on a CPU, no copy
-    if model.config.tie_word_embeddings:   # assign gave each name its own Parameter: tie them again
+    # tie_word_embeddings: one Parameter for the embedding and the output matrix (here, not in
+    # Llama: assign gives each name its own Parameter, so a tie made before would not survive)
+    if model.config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     eos = getattr(hf.generation_config, "eos_token_id", None)
     eos_ids = frozenset() if eos is None else frozenset(eos if isinstance(eos, list) else [eos])
