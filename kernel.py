@@ -269,18 +269,16 @@ def num_kv_splits_for(q, k_cache, block_tables, context_lens, max_context_len=No
     """The flash-decoding switch (CUDA; elsewhere 1): split a context only when (sequence, KV
     head) programs are too few to fill the GPU's streaming multiprocessors and contexts are long
     (at least ~1k tokens per slice)."""
-    if not q.is_cuda:
-        return 1
     max_context_len = max_context_len or int(context_lens.max())
+    if not q.is_cuda or max_context_len < 2048:
+        return 1
     programs = len(block_tables) * k_cache.shape[2]
-    num_sms = multiprocessors(q.device)
-    if programs >= num_sms or max_context_len < 2048:
+    # streaming multiprocessors: how many programs the GPU runs at once (asked only
+    # for a long context, the one case where splitting can pay)
+    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    if programs >= num_sms:
         return 1
     return min(16, max_context_len // 1024, (2 * num_sms) // programs)
-
-@functools.cache
-def multiprocessors(device):   # streaming multiprocessors: how many programs the GPU runs at once
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 def random_case(seed=0, block_size=4, num_kv_heads=2, group=3, head_dim=16,
                 ctx_q=((13, 1), (7, 7), (20, 5), (1, 1)), dtype=torch.float32, device="cpu"):

@@ -134,19 +134,20 @@ class Llama(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # (tie_word_embeddings: lm_head's weight is embed_tokens' own Parameter; load_model ties
+        # them, once the loaded tensors are in)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-        dims = torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim  # (head_dim/2,)
+        # rotary: the pair (i, i + head_dim/2) turns at frequency theta^(-2i/head_dim); each
+        # frequency stands twice, at both members of its pair, as rotary() pairs them: (head_dim,)
+        dims = torch.arange(0, cfg.head_dim, 2, dtype=torch.float32).repeat(2) / cfg.head_dim
         self.register_buffer("inv_freq", 1.0 / cfg.rope_theta ** dims, persistent=False)
 
     @torch.inference_mode()
     def forward(self, batch: Batch, kv_cache: torch.Tensor) -> torch.Tensor:
         """kv_cache: (2, num_layers, num_blocks, block_size, kv_heads, head_dim)."""
         x = self.embed_tokens(batch.input_ids)                               # (T, hidden)
-        freqs = batch.positions[:, None].float() * self.inv_freq[None, :]    # (T, head_dim / 2)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]                  # (T, 1, head_dim)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        angles = batch.positions[:, None, None].float() * self.inv_freq      # (T, 1, head_dim)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], batch)
         # logits (the vocabulary matmul) only for the last token of a sequence ending its chunk
@@ -213,9 +214,10 @@ def config_from_hf(c) -> ModelConfig:
     if unsupported:
         raise ValueError(f"unsupported: {', '.join(unsupported)}; nanopaged runs plain Llama "
                          "attention (full context, unscaled rotary embeddings, SwiGLU, no biases)")
+    # (transformers 5's Llama and Mistral configs set head_dim themselves where a file has none:
+    # hidden_size // num_attention_heads)
     values = {f.name: getattr(c, HF_NAMES.get(f.name, f.name), None)
               for f in dataclasses.fields(ModelConfig)}
-    values["head_dim"] = values["head_dim"] or c.hidden_size // c.num_attention_heads   # old ones
     values["rope_theta"] = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
     return ModelConfig(**values)
 
@@ -226,7 +228,9 @@ def load_model(name=None, device="cpu", dtype=torch.float32, seed=0):
     model = Llama(config_from_hf(hf.config))
     state = {k.removeprefix("model."): v for k, v in hf.state_dict().items()}
     model.load_state_dict(state, assign=True)   # transformers' own tensors: on a CPU, no copy
-    if model.config.tie_word_embeddings:   # assign gave each name its own Parameter: tie them again
+    # tie_word_embeddings: one Parameter for the embedding and the output matrix (here, not in
+    # Llama: assign gives each name its own Parameter, so a tie made before would not survive)
+    if model.config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     eos = getattr(hf.generation_config, "eos_token_id", None)
     eos_ids = frozenset() if eos is None else frozenset(eos if isinstance(eos, list) else [eos])
