@@ -16,7 +16,6 @@ where the reading path ends; then flash-decoding's switch, the check and the ben
     python kernel.py    checks the kernel against the reference over 36 shapes (CPU: interpreted,
                         float32; CUDA: compiled, bfloat16, then times decode against copy and SDPA)
 """
-import functools
 import os
 
 import torch
@@ -210,8 +209,8 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, quer
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         partial.stride(-3), partial.stride(-2), partial.stride(0) if num_kv_splits > 1 else 0,
         lse.stride(1), lse.stride(0),
-        NUM_SPLITS=num_kv_splits, QUANTIZED=quantized, GROUP=group, GROUP_PADDED=group_padded, BLOCK_M=block_m,
-        BLOCK_N=64 if head_dim <= 64 else 32, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        NUM_SPLITS=num_kv_splits, QUANTIZED=quantized, GROUP=group, GROUP_PADDED=group_padded,
+        BLOCK_M=block_m, BLOCK_N=64 if head_dim <= 64 else 32, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim))
     if num_kv_splits > 1:   # merge: weight each slice's output by its share of the total exp-sum
         w = torch.softmax(lse, dim=0).nan_to_num(0.0)          # (splits, num_tokens, num_heads)

@@ -1405,7 +1405,8 @@ class Links:
         self.kv_caches = kv_caches
         self.bytes_per_block = {t: c.element_size() * math.prod(c.shape[:2] + c.shape[3:])
                                 for t, c in kv_caches.items()}   # (INT8 tiers: fewer bytes)
-        self.seconds = {t: self.bytes_per_block[t] / (g * 1e9) for t, g in (tier_gbps or {}).items()}
+        gbps = tier_gbps or {}
+        self.seconds = {t: self.bytes_per_block[t] / (g * 1e9) for t, g in gbps.items()}
         self.bytes_moved = Counter()   # the lower tier of each copy -> bytes over its link
         self.busy_seconds = 0.0        # copying, in all
 
