@@ -210,8 +210,8 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, quer
         partial.stride(-3), partial.stride(-2), partial.stride(0) if num_kv_splits > 1 else 0,
         lse.stride(1), lse.stride(0),
         NUM_SPLITS=num_kv_splits, QUANTIZED=quantized, GROUP=group, GROUP_PADDED=group_padded,
-        BLOCK_M=block_m, BLOCK_N=64 if head_dim <= 64 else 32, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim))
+        BLOCK_M=block_m, BLOCK_N=64 if head_dim <= 64 else 32, BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim))
     if num_kv_splits > 1:   # merge: weight each slice's output by its share of the total exp-sum
         w = torch.softmax(lse, dim=0).nan_to_num(0.0)          # (splits, num_tokens, num_heads)
         out.copy_((w[..., None] * partial).sum(0))
