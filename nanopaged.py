@@ -632,16 +632,6 @@ class Scheduler:
         self.block_manager.append_slot(seq)   # its copy-on-write, if any, is queued in bm.copies
         batch.add(request, seq)
 
-    def _make_room(self, request, seq, batch):
-        """Preempt the newest running requests until seq can have the block it needs. False when
-        the newest was seq's own request: it gave its blocks back and waits like the others."""
-        while not self.block_manager.can_append(seq):
-            newest = self.running[-1]   # running is in arrival order
-            self.preempt(newest, batch)
-            if newest is request:
-                return False
-        return True
-
     def schedule(self) -> ScheduledBatch:
         bm = self.block_manager
         batch = ScheduledBatch(self.max_num_batched_tokens)
@@ -652,7 +642,12 @@ class Scheduler:
             for seq in filter(self._ready, request.seqs):
                 if request.status is not RequestStatus.RUNNING or batch.is_full:
                     break   # preempted (by itself, or by an older request's need), or no budget
-                if self._make_room(request, seq, batch):
+                # short of a block: preempt the newest running request (running is in arrival
+                # order) until seq has one; once the newest is seq's own request, it gave its
+                # blocks back and waits like the others
+                while request.status is RequestStatus.RUNNING and not bm.can_append(seq):
+                    self.preempt(self.running[-1], batch)
+                if request.status is RequestStatus.RUNNING:
                     self._schedule_seq(request, seq, batch)
         # a step that preempted lets nobody in: running requests need the blocks it freed next
         if self.num_preemptions > num_preemptions:
