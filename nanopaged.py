@@ -519,18 +519,15 @@ class BlockManager:
 
     def swap_out(self, *seqs):
         """Move seqs to the host pool. Returns [(device_block, host_block)], queued in copies."""
-        pairs = self._move(seqs, self.device, self.host, "swap out")
-        self.counts["num_swapped_out_blocks"] += len(pairs)
-        return pairs
+        return self._move(seqs, self.device, self.host, "swap out", "num_swapped_out_blocks")
 
     def swap_in(self, *seqs):
         """Move seqs back to the device pool. Returns [(host_block, device_block)]."""
-        pairs = self._move(seqs, self.host, self.device, "swap in")
-        self.counts["num_swapped_in_blocks"] += len(pairs)
-        return pairs
+        return self._move(seqs, self.host, self.device, "swap in", "num_swapped_in_blocks")
 
-    def _move(self, seqs, src, dst, kind):
-        """Repoint seqs' tables from src to dst, a dst block per distinct block (tail first)."""
+    def _move(self, seqs, src, dst, kind, counter):
+        """Repoint seqs' tables from src to dst, a dst block per distinct block (tail first), and
+        count the blocks moved under the metric named counter."""
         mapping = {}   # block id in src -> block id in dst
         for block_id in (b for seq in seqs for b in reversed(seq.block_table)):
             if block_id not in mapping:   # all taken before any is let go: none taken twice
@@ -546,6 +543,7 @@ class BlockManager:
                 self._release(src, src.blocks[seq.block_table[i]])
                 seq.block_table[i] = mapping[seq.block_table[i]]
             dst.seqs[seq.seq_id] = src.seqs.pop(seq.seq_id)
+        self.counts[counter] += len(mapping)
         return list(mapping.items())
 
     # -- what the metrics read, and the rules, checked
