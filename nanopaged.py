@@ -622,8 +622,7 @@ class Scheduler:
     def _ready(seq):
         """Has seq tokens to compute, with the K/V it reads in place? Not a beam waiting for its
         round, nor a recomputed sample whose leader has not computed their shared blocks yet."""
-        leader = seq.waits_for
-        behind_leader = leader is not None and leader.num_computed_tokens < seq.num_computed_tokens
+        behind_leader = seq.num_written_tokens < seq.num_computed_tokens   # some K/V due from it
         return not behind_leader and len(seq) > seq.num_computed_tokens
 
     def _schedule_seq(self, request, seq, batch):
