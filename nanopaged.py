@@ -599,9 +599,6 @@ class Scheduler:
         self.swapped = []          # requests on the host pool, in arrival order
         self.num_preemptions = 0   # requests preempted (all their sequences at once), either way
 
-    def add(self, request):
-        self.waiting.append(request)
-
     def has_unfinished(self):
         return bool(self.waiting or self.running or self.swapped)
 
@@ -869,7 +866,7 @@ class LLM:
                 seed = getattr(p, "seed", None)
                 seed = (self.seed * 1_000_003 + request_id) % 2**63 if seed is None else seed
                 self.requests[request_id] = Request(request_id, token_ids, p, seed)
-                self.scheduler.add(self.requests[request_id])
+                self.scheduler.waiting.append(self.requests[request_id])   # last in line (FCFS)
                 request_ids.append(request_id)
         return request_ids
 
