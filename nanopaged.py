@@ -124,9 +124,7 @@ class Sequence:
     @property
     def num_written_tokens(self):
         """Tokens whose K/V are in the cache now: not those due from a leader (waits_for)."""
-        leader = self.waits_for
-        if leader is None:
-            return self.num_computed_tokens
+        leader = self if self.waits_for is None else self.waits_for   # with none, its own writer
         return min(self.num_computed_tokens, leader.num_computed_tokens)
 
     def append_token(self, token_id):
