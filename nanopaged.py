@@ -418,9 +418,9 @@ class BlockManager:
         return (len(seq) - 1) // self.block_size == len(seq.block_table)
 
     def _needs_copy(self, seq):
-        # ... or exist but be shared, and a block with ref_count > 1 is never written
-        last = seq.block_table[-1]
-        return not self._needs_new_block(seq) and self.device.blocks[last].ref_count > 1
+        # ... or exist but be shared, and a block with ref_count > 1 is never written (both callers
+        # ask only once _needs_new_block said no: the last block exists)
+        return self.device.blocks[seq.block_table[-1]].ref_count > 1
 
     def can_append(self, seq):
         return self.num_free_blocks > 0 or not (self._needs_new_block(seq) or self._needs_copy(seq))
