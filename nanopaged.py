@@ -611,7 +611,8 @@ class Scheduler:
         bisect.insort(self.running, request, key=lambda r: r.request_id)
         for seq in request.seqs:
             if self._ready(seq) and not batch.is_full:
-                self._schedule_seq(request, seq, batch)
+                self.block_manager.append_slot(seq)   # (can_allocate, can_swap_in made room)
+                batch.add(request, seq)
 
     @staticmethod
     def _ready(seq):
@@ -619,10 +620,6 @@ class Scheduler:
         round, nor a recomputed sample whose leader has not computed their shared blocks yet."""
         behind_leader = seq.num_written_tokens < seq.num_computed_tokens   # some K/V due from it
         return not behind_leader and len(seq) > seq.num_computed_tokens
-
-    def _schedule_seq(self, request, seq, batch):
-        self.block_manager.append_slot(seq)   # its copy-on-write, if any, is queued in bm.copies
-        batch.add(request, seq)
 
     def schedule(self) -> ScheduledBatch:
         bm = self.block_manager
@@ -640,7 +637,8 @@ class Scheduler:
                 while request.status is RequestStatus.RUNNING and not bm.can_append(seq):
                     self.preempt(self.running[-1], batch)
                 if request.status is RequestStatus.RUNNING:
-                    self._schedule_seq(request, seq, batch)
+                    bm.append_slot(seq)   # its copy-on-write, if any, is queued in bm.copies
+                    batch.add(request, seq)
         # a step that preempted lets nobody in: running requests need the blocks it freed next
         if self.num_preemptions > num_preemptions:
             return batch
