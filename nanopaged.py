@@ -124,9 +124,7 @@ class Sequence:
     @property
     def num_written_tokens(self):
         """Tokens whose K/V are in the cache now: not those due from a leader (waits_for)."""
-        leader = self.waits_for
-        if leader is None:
-            return self.num_computed_tokens
+        leader = self if self.waits_for is None else self.waits_for   # with none, its own writer
         return min(self.num_computed_tokens, leader.num_computed_tokens)
 
     def append_token(self, token_id):
@@ -420,9 +418,9 @@ class BlockManager:
         return (len(seq) - 1) // self.block_size == len(seq.block_table)
 
     def _needs_copy(self, seq):
-        # ... or exist but be shared, and a block with ref_count > 1 is never written
-        last = seq.block_table[-1]
-        return not self._needs_new_block(seq) and self.device.blocks[last].ref_count > 1
+        # ... or exist but be shared, and a block with ref_count > 1 is never written (both callers
+        # ask only once _needs_new_block said no: the last block exists)
+        return self.device.blocks[seq.block_table[-1]].ref_count > 1
 
     def can_append(self, seq):
         return self.num_free_blocks > 0 or not (self._needs_new_block(seq) or self._needs_copy(seq))
@@ -519,18 +517,15 @@ class BlockManager:
 
     def swap_out(self, *seqs):
         """Move seqs to the host pool. Returns [(device_block, host_block)], queued in copies."""
-        pairs = self._move(seqs, self.device, self.host, "swap out")
-        self.counts["num_swapped_out_blocks"] += len(pairs)
-        return pairs
+        return self._move(seqs, self.device, self.host, "swap out", "num_swapped_out_blocks")
 
     def swap_in(self, *seqs):
         """Move seqs back to the device pool. Returns [(host_block, device_block)]."""
-        pairs = self._move(seqs, self.host, self.device, "swap in")
-        self.counts["num_swapped_in_blocks"] += len(pairs)
-        return pairs
+        return self._move(seqs, self.host, self.device, "swap in", "num_swapped_in_blocks")
 
-    def _move(self, seqs, src, dst, kind):
-        """Repoint seqs' tables from src to dst, a dst block per distinct block (tail first)."""
+    def _move(self, seqs, src, dst, kind, counter):
+        """Repoint seqs' tables from src to dst, a dst block per distinct block (tail first), and
+        count the blocks moved under the metric named counter."""
         mapping = {}   # block id in src -> block id in dst
         for block_id in (b for seq in seqs for b in reversed(seq.block_table)):
             if block_id not in mapping:   # all taken before any is let go: none taken twice
@@ -546,6 +541,7 @@ class BlockManager:
                 self._release(src, src.blocks[seq.block_table[i]])
                 seq.block_table[i] = mapping[seq.block_table[i]]
             dst.seqs[seq.seq_id] = src.seqs.pop(seq.seq_id)
+        self.counts[counter] += len(mapping)
         return list(mapping.items())
 
     # -- what the metrics read, and the rules, checked
@@ -601,9 +597,6 @@ class Scheduler:
         self.swapped = []          # requests on the host pool, in arrival order
         self.num_preemptions = 0   # requests preempted (all their sequences at once), either way
 
-    def add(self, request):
-        self.waiting.append(request)
-
     def has_unfinished(self):
         return bool(self.waiting or self.running or self.swapped)
 
@@ -618,29 +611,15 @@ class Scheduler:
         bisect.insort(self.running, request, key=lambda r: r.request_id)
         for seq in request.seqs:
             if self._ready(seq) and not batch.is_full:
-                self._schedule_seq(request, seq, batch)
+                self.block_manager.append_slot(seq)   # (can_allocate, can_swap_in made room)
+                batch.add(request, seq)
 
     @staticmethod
     def _ready(seq):
         """Has seq tokens to compute, with the K/V it reads in place? Not a beam waiting for its
         round, nor a recomputed sample whose leader has not computed their shared blocks yet."""
-        leader = seq.waits_for
-        behind_leader = leader is not None and leader.num_computed_tokens < seq.num_computed_tokens
+        behind_leader = seq.num_written_tokens < seq.num_computed_tokens   # some K/V due from it
         return not behind_leader and len(seq) > seq.num_computed_tokens
-
-    def _schedule_seq(self, request, seq, batch):
-        self.block_manager.append_slot(seq)   # its copy-on-write, if any, is queued in bm.copies
-        batch.add(request, seq)
-
-    def _make_room(self, request, seq, batch):
-        """Preempt the newest running requests until seq can have the block it needs. False when
-        the newest was seq's own request: it gave its blocks back and waits like the others."""
-        while not self.block_manager.can_append(seq):
-            newest = self.running[-1]   # running is in arrival order
-            self.preempt(newest, batch)
-            if newest is request:
-                return False
-        return True
 
     def schedule(self) -> ScheduledBatch:
         bm = self.block_manager
@@ -652,8 +631,14 @@ class Scheduler:
             for seq in filter(self._ready, request.seqs):
                 if request.status is not RequestStatus.RUNNING or batch.is_full:
                     break   # preempted (by itself, or by an older request's need), or no budget
-                if self._make_room(request, seq, batch):
-                    self._schedule_seq(request, seq, batch)
+                # short of a block: preempt the newest running request (running is in arrival
+                # order) until seq has one; once the newest is seq's own request, it gave its
+                # blocks back and waits like the others
+                while request.status is RequestStatus.RUNNING and not bm.can_append(seq):
+                    self.preempt(self.running[-1], batch)
+                if request.status is RequestStatus.RUNNING:
+                    bm.append_slot(seq)   # its copy-on-write, if any, is queued in bm.copies
+                    batch.add(request, seq)
         # a step that preempted lets nobody in: running requests need the blocks it freed next
         if self.num_preemptions > num_preemptions:
             return batch
@@ -877,7 +862,7 @@ class LLM:
                 seed = getattr(p, "seed", None)
                 seed = (self.seed * 1_000_003 + request_id) % 2**63 if seed is None else seed
                 self.requests[request_id] = Request(request_id, token_ids, p, seed)
-                self.scheduler.add(self.requests[request_id])
+                self.scheduler.waiting.append(self.requests[request_id])   # last in line (FCFS)
                 request_ids.append(request_id)
         return request_ids
 
