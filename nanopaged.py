@@ -1205,13 +1205,12 @@ def check_block_manager(bm):   # BlockManager.check_invariants: each rule, asser
         held = Counter(b for seq in pool.seqs.values() for b in seq.block_table)
         wrong = [b.block_id for b in pool.blocks if b.ref_count != held[b.block_id]]
         assert not wrong, f"ref_count: {pool.name} blocks {wrong}: not the number of tables holding"
-        states = Counter([*pool.free_block_ids, *pool.cached_block_ids, *held])   # held, or used
-        wrong = [b.block_id for b in pool.blocks if states[b.block_id] != 1]
-        assert not wrong, f"partition: {pool.name} blocks {wrong}: not in one of free, cached, used"
-        # of the blocks nobody holds, the cached ones, and only they, are registered (have a hash)
-        wrong = [b.block_id for b in pool.blocks if not b.ref_count
-                 and (b.hash is not None) != (b.block_id in pool.cached_block_ids)]
-        assert not wrong, f"cached: {pool.name} blocks {wrong}: cached without a hash, or free with"
+        # each block in one list, the one its fields say: used if held; else cached if registered
+        # (it has a hash), free if not
+        listed = Counter([*pool.free_block_ids, *pool.cached_block_ids, *held])
+        wrong = [b.block_id for b in pool.blocks if listed[b.block_id] != 1 or (
+                 not b.ref_count and (b.hash is not None) != (b.block_id in pool.cached_block_ids))]
+        assert not wrong, f"partition: {pool.name} blocks {wrong}: not only in its own list"
         registered = [b for b in pool.blocks if b.hash is not None]
         listed = {(h, b) for h, bucket in pool.hash_to_block_ids.items() for b in bucket}
         carried = {(b.hash, b.block_id) for b in registered}   # the map lists these, no others
