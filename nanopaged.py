@@ -1220,23 +1220,22 @@ def check_block_manager(bm):   # BlockManager.check_invariants: each rule, asser
             prefix = prefixes.setdefault(b.prefix_id, (b.hash, b.token_ids, b.parent_prefix_id))
             wrong = prefix != (b.hash, b.token_ids, b.parent_prefix_id)
             assert not wrong, f"hash map: prefix {b.prefix_id}: two prefixes ({pool.name} {b})"
+        for seq in pool.seqs.values():   # the newest token may lack its slot yet
+            n = len(seq.block_table)
+            sizes = {bm._num_blocks_for(len(seq) - d) for d in (0, 1)}
+            assert n in sizes, f"block table: seq {seq.seq_id}: {n} blocks, {len(seq)} tokens"
     seq_ids = [s for pool in bm.tiers for s in pool.seqs]
     assert len(seq_ids) == len(set(seq_ids)), "partition: a seq's table points into two tiers"
-    for seq in bm.device.seqs.values():   # a registered block holds the prefix of all its holders
-        for i, block_id in enumerate(seq.block_table):
-            block = bm.device.blocks[block_id]
-            parent = bm.device.blocks[seq.block_table[i - 1]] if i else None
-            if block.hash is None:
-                continue
-            entry = (block.token_ids, block.hash, block.parent_prefix_id)
-            want = (bm._tokens(seq, i), bm._block_hash(seq, i), parent and parent.prefix_id)
-            wrong = entry != want or (parent is not None and parent.hash is None)
-            assert not wrong, (f"hash map: seq {seq.seq_id} block {i} ({block_id}) is another "
-                               "prefix's, or follows an unregistered block")
-    for seq in [s for pool in bm.tiers for s in pool.seqs.values()]:   # the newest may lack a slot
-        n = len(seq.block_table)
-        sizes = {bm._num_blocks_for(len(seq) - d) for d in (0, 1)}
-        assert n in sizes, f"block table: seq {seq.seq_id}: {n} blocks, {len(seq)} tokens"
+    # a registered block holds the prefix of all its holders; it follows registered blocks only
+    for seq in bm.device.seqs.values():
+        parent = None   # the prefix block i follows (None: the first, or it follows unregistered)
+        for i, block in enumerate(bm.device.blocks[b] for b in seq.block_table):
+            if block.hash is not None:   # (a hash is asked for of full blocks only: _block_hash)
+                want = (bm._tokens(seq, i), bm._block_hash(seq, i), parent)
+                wrong = (block.token_ids, block.hash, block.parent_prefix_id) != want
+                assert not wrong, (f"hash map: seq {seq.seq_id} block {i} ({block.block_id}) is "
+                                   "another prefix's, or follows an unregistered block")
+            parent = block.prefix_id   # (None once unregistered: a later block's parent differs)
 
 
 # ----------------------------------------------------------------------------------------------
