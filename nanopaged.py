@@ -1701,16 +1701,15 @@ class recovery:
         self.undo = undo
         self.frame = sys._getframe(1)   # the frame and line of the `with` statement
         self.line = self.frame.f_lineno
-        self.entered = False   # until __enter__ begins
         self.recovering = False
 
     def leaving(self):   # is the block over, its frame back at the `with` line, or recovering?
-        return self.recovering or self.entered and self.frame.f_lineno == self.line
+        return self.recovering or self.frame.f_lineno == self.line
 
     def __enter__(self):
-        # entered first: a Ctrl-C that comes after the handler is set waits for __exit__, which
-        # will run; one that raised here instead would leave the handler set for good
-        self.entered = True
+        # the frame is at the `with` line until the block begins: a Ctrl-C that comes once the
+        # handler is set waits for __exit__, which will run; one that raised here instead would
+        # leave the handler set for good
         self.interrupts = interrupts_held(hold=self.leaving)
         self.interrupts.__enter__()
 
