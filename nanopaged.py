@@ -1431,7 +1431,7 @@ class CopyEngine:
                                # (the view's ~: those in flight at the step's start)
         self.started = {}      # ticket -> copy, queued, until the trace tells it made
         self.through = weakref.WeakKeyDictionary()   # seq -> (its table, blocks written through)
-        self.failed = None     # (the exception, the copies never made) once a copy raised
+        self.failed = None     # the exception, once a copy raised (no copy is made after it)
         self.done = threading.Condition()
         self.stream = torch.cuda.Stream(llm.device) if llm.device.type == "cuda" else None
         self.copy_wait_seconds = 0.0   # the steps' time waiting for a copy
@@ -1454,9 +1454,7 @@ class CopyEngine:
                     if self.failed is None and copy is not None:   # after a failure: none
                         links.copy(*copy)
             except BaseException as e:   # (the main thread raises it at its next step)
-                self.failed = (e, [])
-            if self.failed is not None and copy is not None:
-                self.failed[1].append(copy)
+                self.failed = e
             with self.done:
                 self.unmade.discard(ticket)
                 self.done.notify_all()
@@ -1485,7 +1483,7 @@ class CopyEngine:
             self.wait(*waits.values())
         unmade = set(self.unmade)   # one moment for what has arrived and who still waits
         if self.failed is not None:   # a copy raised (set before it left unmade): the step too
-            raise RuntimeError(f"a block copy failed: {self.failed[0]!r}") from self.failed[0]
+            raise RuntimeError(f"a block copy failed: {self.failed!r}") from self.failed
         made = [self.started.pop(t) for t in list(self.started) if t not in unmade]
         self.in_flight = {key: t for key, t in self.in_flight.items() if t in unmade}
         if made:
@@ -1511,14 +1509,17 @@ class CopyEngine:
             self.done.wait_for(lambda: any(not t & self.unmade for t in tickets))
         self.copy_wait_seconds += time.perf_counter() - t0
 
-    def finish(self):   # (Undo) every copy queued made or failed; returns the blocks never made
+    def finish(self):   # (Undo) every copy queued made or failed; returns the blocks not trusted
         flush = next(self.tickets)   # after all that were queued, a copy of nothing
         self.unmade.add(flush)
         self.queue.put((flush, None, None))
         self.wait({flush})
-        self.unmade, self.in_flight, self.started = set(), {}, {}   # (a ticket Ctrl-C cut off)
-        unmade, self.failed = (self.failed or (None, []))[1], None
-        return {(dst_tier, dst) for _, _, dst_tier, dst in unmade}
+        # after a failure none of the copies no step has seen made is trusted: those before the
+        # failed one were made, but the undo drops their blocks too (a failure is rare)
+        lost = list(self.started.values()) if self.failed is not None else []
+        # all made or failed: the bookkeeping starts over (a ticket Ctrl-C cut off goes too)
+        self.unmade, self.in_flight, self.started, self.failed = set(), {}, {}, None
+        return {(dst_tier, dst) for _, _, dst_tier, dst in lost}
 
 WRITE_AHEAD = 16   # async_copies: the cached blocks next out that an idle link copies below, then
 WRITE_AHEAD_PER_STEP = 4   # the held ones (WRITE_AHEAD 0: no write-ahead at all); 4 at most a step
