@@ -1303,15 +1303,15 @@ def engine_stats(llm):   # LLM.stats(): fractions and counts, named as vLLM name
     return {
         "kv_cache_usage_perc": used / bm.num_blocks,   # cached blocks nobody holds are free
         "token_occupancy_perc": num_stored_tokens(bm) / max(1, used * bm.block_size),
-        "prefix_cache_queries": c["prefix_cache_queries"],   # in tokens
-        "prefix_cache_hits": c["prefix_cache_hits"],         # in tokens, in any tier
+        # its counts (those not counted yet read 0); the prefix cache's in tokens: the queries,
+        # the hits in any tier, and of those the tokens loaded up from the host and the disk
+        **{name: c[name] for name in
+           ("prefix_cache_queries", "prefix_cache_hits", "host_prefix_cache_hits",
+            "disk_prefix_cache_hits", "num_swapped_out_blocks", "num_swapped_in_blocks",
+            "num_cow_copies", "num_evictions", "num_offloaded_blocks", "num_loaded_blocks",
+            "num_write_downs_skipped")},
         "prefix_cache_hit_rate": c["prefix_cache_hits"] / max(1, c["prefix_cache_queries"]),
-        "host_prefix_cache_hits": c["host_prefix_cache_hits"],   # of those, the tokens loaded up
-        "disk_prefix_cache_hits": c["disk_prefix_cache_hits"],
         "num_preemptions": llm.scheduler.num_preemptions,
-        **{name: c[name] for name in   # its other counts
-           ("num_swapped_out_blocks", "num_swapped_in_blocks", "num_cow_copies", "num_evictions",
-            "num_offloaded_blocks", "num_loaded_blocks", "num_write_downs_skipped")},
         "num_prefill_tokens_computed": llm.num_prefill_tokens_computed,
         "num_generated_tokens": llm.num_generated_tokens,
         # the copies between tiers: seconds the steps waited for one (blocking: all of them),
