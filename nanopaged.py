@@ -1193,40 +1193,37 @@ def check_block_manager(bm):   # BlockManager.check_invariants: each rule, asser
         held = Counter(b for seq in pool.seqs.values() for b in seq.block_table)
         wrong = [b.block_id for b in pool.blocks if b.ref_count != held[b.block_id]]
         assert not wrong, f"ref_count: {pool.name} blocks {wrong}: not the number of tables holding"
-        states = Counter([*pool.free_block_ids, *pool.cached_block_ids, *held])   # held, or used
-        wrong = [b.block_id for b in pool.blocks if states[b.block_id] != 1]
-        assert not wrong, f"partition: {pool.name} blocks {wrong}: not in one of free, cached, used"
-        # of the blocks nobody holds, the cached ones, and only they, are registered (have a hash)
-        wrong = [b.block_id for b in pool.blocks if not b.ref_count
-                 and (b.hash is not None) != (b.block_id in pool.cached_block_ids)]
-        assert not wrong, f"cached: {pool.name} blocks {wrong}: cached without a hash, or free with"
+        # each block in one list, the one its fields say: used if held; else cached if registered
+        # (it has a hash), free if not
+        listed = Counter([*pool.free_block_ids, *pool.cached_block_ids, *held])
+        wrong = [b.block_id for b in pool.blocks if listed[b.block_id] != 1 or (
+                 not b.ref_count and (b.hash is not None) != (b.block_id in pool.cached_block_ids))]
+        assert not wrong, f"partition: {pool.name} blocks {wrong}: not only in its own list"
         registered = [b for b in pool.blocks if b.hash is not None]
-        listed = {(h, b) for h, bucket in pool.hash_to_block_ids.items() for b in bucket}
-        carried = {(b.hash, b.block_id) for b in registered}   # the map lists these, no others
-        wrong = listed ^ carried
+        # the map lists the registered blocks and no others (an empty bucket: as if it listed None)
+        listed = {(h, b) for h, bucket in pool.hash_to_block_ids.items() for b in bucket or [None]}
+        wrong = listed ^ {(b.hash, b.block_id) for b in registered}
         assert not wrong, f"hash map: {pool.name} (hash, block) {wrong}: listed or registered only"
-        assert all(pool.hash_to_block_ids.values()), f"hash map: {pool.name}: an empty bucket"
         for b in registered:   # copies of one prefix, in any tier, are one prefix
             prefix = prefixes.setdefault(b.prefix_id, (b.hash, b.token_ids, b.parent_prefix_id))
             wrong = prefix != (b.hash, b.token_ids, b.parent_prefix_id)
             assert not wrong, f"hash map: prefix {b.prefix_id}: two prefixes ({pool.name} {b})"
+        for seq in pool.seqs.values():   # the newest token may lack its slot yet
+            n = len(seq.block_table)
+            sizes = {bm._num_blocks_for(len(seq) - d) for d in (0, 1)}
+            assert n in sizes, f"block table: seq {seq.seq_id}: {n} blocks, {len(seq)} tokens"
     seq_ids = [s for pool in bm.tiers for s in pool.seqs]
     assert len(seq_ids) == len(set(seq_ids)), "partition: a seq's table points into two tiers"
-    for seq in bm.device.seqs.values():   # a registered block holds the prefix of all its holders
-        for i, block_id in enumerate(seq.block_table):
-            block = bm.device.blocks[block_id]
-            parent = bm.device.blocks[seq.block_table[i - 1]] if i else None
-            if block.hash is None:
-                continue
-            entry = (block.token_ids, block.hash, block.parent_prefix_id)
-            want = (bm._tokens(seq, i), bm._block_hash(seq, i), parent and parent.prefix_id)
-            wrong = entry != want or (parent is not None and parent.hash is None)
-            assert not wrong, (f"hash map: seq {seq.seq_id} block {i} ({block_id}) is another "
-                               "prefix's, or follows an unregistered block")
-    for seq in [s for pool in bm.tiers for s in pool.seqs.values()]:   # the newest may lack a slot
-        n = len(seq.block_table)
-        sizes = {bm._num_blocks_for(len(seq) - d) for d in (0, 1)}
-        assert n in sizes, f"block table: seq {seq.seq_id}: {n} blocks, {len(seq)} tokens"
+    # a registered block holds the prefix of all its holders; it follows registered blocks only
+    for seq in bm.device.seqs.values():
+        parent = None   # the prefix block i follows (None: the first, or it follows unregistered)
+        for i, block in enumerate(bm.device.blocks[b] for b in seq.block_table):
+            if block.hash is not None:   # (a hash is asked for of full blocks only: _block_hash)
+                want = (bm._tokens(seq, i), bm._block_hash(seq, i), parent)
+                wrong = (block.token_ids, block.hash, block.parent_prefix_id) != want
+                assert not wrong, (f"hash map: seq {seq.seq_id} block {i} ({block.block_id}) is "
+                                   "another prefix's, or follows an unregistered block")
+            parent = block.prefix_id   # (None once unregistered: a later block's parent differs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1294,15 +1291,15 @@ def engine_stats(llm):   # LLM.stats(): fractions and counts, named as vLLM name
     return {
         "kv_cache_usage_perc": used / bm.num_blocks,   # cached blocks nobody holds are free
         "token_occupancy_perc": num_stored_tokens(bm) / max(1, used * bm.block_size),
-        "prefix_cache_queries": c["prefix_cache_queries"],   # in tokens
-        "prefix_cache_hits": c["prefix_cache_hits"],         # in tokens, in any tier
+        # its counts (those not counted yet read 0); the prefix cache's in tokens: the queries,
+        # the hits in any tier, and of those the tokens loaded up from the host and the disk
+        **{name: c[name] for name in
+           ("prefix_cache_queries", "prefix_cache_hits", "host_prefix_cache_hits",
+            "disk_prefix_cache_hits", "num_swapped_out_blocks", "num_swapped_in_blocks",
+            "num_cow_copies", "num_evictions", "num_offloaded_blocks", "num_loaded_blocks",
+            "num_write_downs_skipped")},
         "prefix_cache_hit_rate": c["prefix_cache_hits"] / max(1, c["prefix_cache_queries"]),
-        "host_prefix_cache_hits": c["host_prefix_cache_hits"],   # of those, the tokens loaded up
-        "disk_prefix_cache_hits": c["disk_prefix_cache_hits"],
         "num_preemptions": llm.scheduler.num_preemptions,
-        **{name: c[name] for name in   # its other counts
-           ("num_swapped_out_blocks", "num_swapped_in_blocks", "num_cow_copies", "num_evictions",
-            "num_offloaded_blocks", "num_loaded_blocks", "num_write_downs_skipped")},
         "num_prefill_tokens_computed": llm.num_prefill_tokens_computed,
         "num_generated_tokens": llm.num_generated_tokens,
         # the copies between tiers: seconds the steps waited for one (blocking: all of them),
@@ -1425,7 +1422,7 @@ class CopyEngine:
                                # (the view's ~: those in flight at the step's start)
         self.started = {}      # ticket -> copy, queued, until the trace tells it made
         self.through = weakref.WeakKeyDictionary()   # seq -> (its table, blocks written through)
-        self.failed = None     # (the exception, the copies never made) once a copy raised
+        self.failed = None     # the exception, once a copy raised (no copy is made after it)
         self.done = threading.Condition()
         self.stream = torch.cuda.Stream(llm.device) if llm.device.type == "cuda" else None
         self.copy_wait_seconds = 0.0   # the steps' time waiting for a copy
@@ -1448,9 +1445,7 @@ class CopyEngine:
                     if self.failed is None and copy is not None:   # after a failure: none
                         links.copy(*copy)
             except BaseException as e:   # (the main thread raises it at its next step)
-                self.failed = (e, [])
-            if self.failed is not None and copy is not None:
-                self.failed[1].append(copy)
+                self.failed = e
             with self.done:
                 self.unmade.discard(ticket)
                 self.done.notify_all()
@@ -1479,7 +1474,7 @@ class CopyEngine:
             self.wait(*waits.values())
         unmade = set(self.unmade)   # one moment for what has arrived and who still waits
         if self.failed is not None:   # a copy raised (set before it left unmade): the step too
-            raise RuntimeError(f"a block copy failed: {self.failed[0]!r}") from self.failed[0]
+            raise RuntimeError(f"a block copy failed: {self.failed!r}") from self.failed
         made = [self.started.pop(t) for t in list(self.started) if t not in unmade]
         self.in_flight = {key: t for key, t in self.in_flight.items() if t in unmade}
         if made:
@@ -1505,14 +1500,17 @@ class CopyEngine:
             self.done.wait_for(lambda: any(not t & self.unmade for t in tickets))
         self.copy_wait_seconds += time.perf_counter() - t0
 
-    def finish(self):   # (Undo) every copy queued made or failed; returns the blocks never made
+    def finish(self):   # (Undo) every copy queued made or failed; returns the blocks not trusted
         flush = next(self.tickets)   # after all that were queued, a copy of nothing
         self.unmade.add(flush)
         self.queue.put((flush, None, None))
         self.wait({flush})
-        self.unmade, self.in_flight, self.started = set(), {}, {}   # (a ticket Ctrl-C cut off)
-        unmade, self.failed = (self.failed or (None, []))[1], None
-        return {(dst_tier, dst) for _, _, dst_tier, dst in unmade}
+        # after a failure none of the copies no step has seen made is trusted: those before the
+        # failed one were made, but the undo drops their blocks too (a failure is rare)
+        lost = list(self.started.values()) if self.failed is not None else []
+        # all made or failed: the bookkeeping starts over (a ticket Ctrl-C cut off goes too)
+        self.unmade, self.in_flight, self.started, self.failed = set(), {}, {}, None
+        return {(dst_tier, dst) for _, _, dst_tier, dst in lost}
 
 WRITE_AHEAD = 16   # async_copies: the cached blocks next out that an idle link copies below, then
 WRITE_AHEAD_PER_STEP = 4   # the held ones (WRITE_AHEAD 0: no write-ahead at all); 4 at most a step
@@ -1685,16 +1683,15 @@ class recovery:
         self.undo = undo
         self.frame = sys._getframe(1)   # the frame and line of the `with` statement
         self.line = self.frame.f_lineno
-        self.entered = False   # until __enter__ begins
         self.recovering = False
 
     def leaving(self):   # is the block over, its frame back at the `with` line, or recovering?
-        return self.recovering or self.entered and self.frame.f_lineno == self.line
+        return self.recovering or self.frame.f_lineno == self.line
 
     def __enter__(self):
-        # entered first: a Ctrl-C that comes after the handler is set waits for __exit__, which
-        # will run; one that raised here instead would leave the handler set for good
-        self.entered = True
+        # the frame is at the `with` line until the block begins: a Ctrl-C that comes once the
+        # handler is set waits for __exit__, which will run; one that raised here instead would
+        # leave the handler set for good
         self.interrupts = interrupts_held(hold=self.leaving)
         self.interrupts.__enter__()
 
