@@ -237,7 +237,9 @@ def kv_dtype(args):
 def multiturn(args):
     """Chats, each turn the whole history and a new 64-token message (16 tokens back), one request
     at a time, the chats in turn, in a device pool of two histories; the tiers below it; then slow
-    links, emulated (tier_gbps), with copies that block, then in the background, written ahead."""
+    links, emulated (tier_gbps), with copies that block, then in the background, written ahead.
+    On a CPU the device is host memory too, and the disk file may sit in the page cache: unslowed,
+    both links are memory copies."""
     num_chats, num_turns = (4, 4) if args.quick else (8, 6)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     num_blocks = 2 * (num_turns * 80 + 15) // 16   # two chats' last turns
@@ -290,9 +292,7 @@ def multiturn(args):
            f"blocks in INT8. Over links emulated (tier_gbps) as PCIe and NVMe beside a GPU (host "
            f"{gbps['host']:.3g}, disk {gbps['disk']:.3g} GB/s), copies in the background, written "
            f"ahead, bring the first token {r['slow links: blocking'][3] / rows[-1][3]:.1f}x "
-           f"sooner, with {rows[-1][5] / r['slow links: blocking'][5]:.1f}x the tokens/s. On a "
-           "CPU the device is host memory too, and the disk file may sit in the "
-           "page cache: unslowed, both links are memory copies.")
+           f"sooner, with {rows[-1][5] / r['slow links: blocking'][5]:.1f}x the tokens/s.")
 
 EXPERIMENTS = {f.__name__: f for f in (memory, throughput, prefix, preemption, kv_dtype,
                                         multiturn)}
