@@ -321,7 +321,6 @@ if __name__ == "__main__":
         EXPERIMENTS[name](args)
     console.print(f"done in {time.perf_counter() - t0:.0f} s")
     if args.json is not None:   # written last: the tables are printed whatever becomes of it
-        figures = {"machine": machine, "model": args.model, "quick": args.quick,
-                   "experiments": results}
         with open(args.json, "w") as f:   # (checked writable before the first experiment)
-            json.dump(figures, f, indent=1, default=str)
+            json.dump({"machine": machine, "model": args.model, "quick": args.quick,
+                       "experiments": results}, f, indent=1, default=str)
