@@ -1864,11 +1864,9 @@ class View:
     def metrics(self, report, width):   # the pool's fill, then what the memory system did so far
         s, bm = report.stats, self.llm.block_manager
         usage = f"({bm.num_used_blocks()}/{bm.num_blocks} blocks)"
-        dtypes = {t: str(c.dtype)[6:] for t, c in self.llm.kv_caches.items()}   # torch.int8: int8
-        sizes = self.llm.links.bytes_per_block
-        kv = [f"KV cache {dtypes['device']} ({sizes['device']:,} bytes a block)"]
-        if dtypes["host"] != dtypes["device"]:   # offload_kv_cache_dtype
-            kv.append(f"host and disk {dtypes['host']} ({sizes['host']:,} bytes)")
+        sizes = self.llm.links.bytes_per_block   # the device's dtype, then the tiers' if others
+        kv = [f"{t} {str(c.dtype)[6:]} ({sizes[t]:,} bytes a block)" for t, c in
+              self.llm.kv_caches.items() if c.dtype != self.llm.kv_cache.dtype or t == "device"]
         first = [f"step {report.step}", f"usage {s['kv_cache_usage_perc']:.0%} {usage}",
                  f"cached {len(bm.device.cached_block_ids)}",
                  f"occupancy {s['token_occupancy_perc']:.0%}",
@@ -1880,7 +1878,8 @@ class View:
             host, disk = (s[f"{t}_prefix_cache_hits"] // bm.block_size for t in ("host", "disk"))
             second += [f"written down {s['num_offloaded_blocks']}",
                        f"loaded {s['num_loaded_blocks']} blocks (host {host}, disk {disk})"]
-        return phrases(kv, width) + phrases(first, width) + phrases(second, width)
+        return phrases(["KV cache: " + kv[0], *kv[1:]], width) + phrases(first, width) + \
+            phrases(second, width)
 
     def batch(self, batch, width):   # prefill chunks beside decodes, and the decodes' slots
         ends = itertools.accumulate(n for _, _, n in batch.entries)   # each entry's last token

@@ -49,12 +49,14 @@ def check_frame(text, llm, report):
     """Parse one drawn frame and hold every figure in it to the engine at this step."""
     bm, stats = llm.block_manager, report.stats
     lines = text.splitlines()
-    kv = re.fullmatch(r"KV cache (\w+) \(([\d,]+) bytes a block\)(?: \| host and disk (\w+) \(([\d,]+) "
-                      r"bytes\))?", lines.pop(0).strip()).groups()
+    header = []   # the K/V dtype and bytes of a block: the device's, then each tier's unlike it
+    while not lines[0].startswith("step "):
+        header.append(lines.pop(0).strip())
     caches, sizes = llm.kv_caches, llm.links.bytes_per_block
-    below = (str(caches["host"].dtype)[6:], f"{sizes['host']:,}")
-    assert kv == (str(caches["device"].dtype)[6:], f"{sizes['device']:,}",
-                  *(below if caches["host"].dtype != caches["device"].dtype else (None, None)))
+    tiers = [t for t in ("device", "host", "disk")
+             if t == "device" or caches[t].dtype != caches["device"].dtype]
+    assert " ".join(header) == "KV cache: " + " | ".join(
+        f"{t} {str(caches[t].dtype)[6:]} ({sizes[t]:,} bytes a block)" for t in tiers)
     first = re.match(r"step (\d+) \| usage (\d+)% \((\d+)/(\d+) blocks\) \| cached (\d+) \| "
                      r"occupancy (\d+)% \| hit rate (\d+)%", lines[0]).groups()
     assert first == (str(report.step), f"{stats['kv_cache_usage_perc']:.0%}"[:-1],
