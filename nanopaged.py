@@ -1632,11 +1632,10 @@ class Undo:
         unmade = {(tier, block_id) for _, _, tier, block_id in bm.copies}   # never copied to
         if self.llm.copy_engine:   # the copies in flight: made first, or failed (never trusted)
             unmade |= self.llm.copy_engine.finish()
-        for obj, state in self.states:
+        for obj, state in self.states:   # bm.copies too: empty, as every step starts
             vars(obj).update(state)
         for generator, state in self.random_states:
             generator.set_state(state)
-        bm.copies.clear()
         holders = sorted(sched.running + sched.swapped, key=lambda r: r.request_id, reverse=True)
         for pool in bm.tiers:   # nobody holds a block; the registered stay cached
             rebuild_pool(bm, pool, unmade, holders)
