@@ -1613,11 +1613,10 @@ class Undo:
         unmade = {(tier, block_id) for _, _, tier, block_id in bm.copies}   # never copied to
         if self.llm.copy_engine:   # the copies in flight: made first, or failed (never trusted)
             unmade |= self.llm.copy_engine.finish()
-        for obj, state in self.states:
+        for obj, state in self.states:   # bm.copies too: empty, as every step starts
             vars(obj).update(state)
         for generator, state in self.random_states:
             generator.set_state(state)
-        bm.copies.clear()
         holders = sorted(sched.running + sched.swapped, key=lambda r: r.request_id, reverse=True)
         for pool in bm.tiers:   # nobody holds a block; the registered stay cached
             rebuild_pool(bm, pool, unmade, holders)
@@ -1674,34 +1673,27 @@ def interrupts_held(hold=None):
         if caught:
             signal.raise_signal(signal.SIGINT)   # to the handler that was there before
 
-class recovery:
+@contextlib.contextmanager
+def recovery(undo):
     """`with recovery(undo):` if the block raises (an error, Ctrl-C), undo() runs before the
     exception goes on. A Ctrl-C that comes once the exception is back at the `with` line, on its
     way to undo() or during it, waits until undo() is done: no line of it is skipped."""
+    frame = sys._getframe(2)   # the frame of the `with` statement (1: contextlib's __enter__)
+    line = frame.f_lineno
+    recovering = False
 
-    def __init__(self, undo):
-        self.undo = undo
-        self.frame = sys._getframe(1)   # the frame and line of the `with` statement
-        self.line = self.frame.f_lineno
-        self.recovering = False
+    def leaving():   # is the block over, its frame back at the `with` line, or recovering?
+        return recovering or frame.f_lineno == line
 
-    def leaving(self):   # is the block over, its frame back at the `with` line, or recovering?
-        return self.recovering or self.frame.f_lineno == self.line
-
-    def __enter__(self):
-        # the frame is at the `with` line until the block begins: a Ctrl-C that comes once the
-        # handler is set waits for __exit__, which will run; one that raised here instead would
-        # leave the handler set for good
-        self.interrupts = interrupts_held(hold=self.leaving)
-        self.interrupts.__enter__()
-
-    def __exit__(self, kind, exc, tb):
+    # the frame is at the `with` line until the block begins: a Ctrl-C that comes once the
+    # handler is set waits for the block's end, where the handler goes (a Ctrl-C held: raised)
+    with interrupts_held(hold=leaving):
         try:
-            if exc is not None:
-                self.recovering = True
-                self.undo()
-        finally:
-            self.interrupts.__exit__(None, None, None)   # a Ctrl-C held: raised now
+            yield
+        except BaseException:
+            recovering = True
+            undo()
+            raise
 
 def abort(llm, request_ids):   # drop a failed call's requests wherever they are, and their blocks
     for request in [llm.requests.pop(r) for r in request_ids if r in llm.requests]:
