@@ -222,7 +222,7 @@ def kv_dtype(args):
                   for o, w in zip(outs, want[1]) if o != w]
         rows.append((dtype if dtype == "int8" else str(llm.dtype)[6:], bytes_per_block,
                      default_blocks, max(s["running_requests"] for s in seen),
-                     llm.num_generated_tokens / seconds,
+                     greedy.max_tokens * len(prompts) / seconds,   # (eos off: all of them)
                      (first.argmax(-1) == want[0].argmax(-1)).float().mean().item(),
                      f"{(want[0].exp() * (want[0] - first)).sum(-1).mean().item():.4f}",
                      mean(o == w for o, w in zip(outs, want[1])), mean(differ or [math.nan])))
