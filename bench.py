@@ -1,13 +1,12 @@
 """
 bench.py: the claims of paging, measured on this machine beside baselines, in five experiments
-(memory, throughput, prefix, preemption, multiturn): a table and a conclusion.
+(memory, throughput, prefix, kv_dtype, multiturn): a table and a conclusion.
 
     python bench.py                    every experiment, the default model
     python bench.py --quick            smaller workloads, a few minutes (what fresh-check runs)
     python bench.py --only prefix      one experiment; --json FILE writes every figure
 """
 import json
-import math
 import platform
 import random
 import time
@@ -171,26 +170,6 @@ def prefix(args):
            f"With prefix caching the engine computes {1 - rows[0][1] / rows[1][1]:.0%} fewer "
            f"prompt tokens and the first token comes {rows[1][3] / rows[0][3]:.1f}x sooner.")
 
-def preemption(args):
-    """The mixed workload (--quick: half) in a third of its peak need, in every preemption mode."""
-    llm = engine(args, num_blocks=args.num_requests * MAX_LEN // 16)
-    prompts, params = mixed_workload(llm, args.num_requests // (2 if args.quick else 1), seed=2)
-    want, _, seen = run(llm, prompts, params)
-    need = max(nanopaged.max_blocks_needed(llm, len(p), q) for p, q in zip(prompts, params))
-    num_blocks = max(need, max(s["used_blocks"] for s in seen) // 3)
-    rows = []
-    for mode in ("recompute", "swap", "auto")[:2 if args.quick else 3]:   # --quick: no auto
-        llm = engine(args, num_blocks=num_blocks, preemption_mode=mode,
-                  num_cpu_blocks=0 if mode == "recompute" else num_blocks)
-        got, seconds, _ = run(llm, prompts, params)
-        s = llm.stats()
-        rows.append((mode, s["num_preemptions"], s["num_swapped_out_blocks"],
-                     s["num_generated_tokens"] / seconds, got == want))
-    report("preemption", f"{len(prompts)} requests in {num_blocks} blocks, a third of their peak",
-           ["mode", "preemptions", "blocks swapped out", "output tokens/s", "outputs equal"], rows,
-           "The unconstrained run's tokens, in every mode: " +
-           ", ".join(f"{r[0]} {'yes' if r[4] else 'NO'}" for r in rows) + ".")
-
 def kv_dtype(args):
     """The KV cache in the model's dtype and in INT8 (kv_cache_dtype): bytes per block, blocks in
     the default pool; 32 prompts (--quick: 8) in the memory of a quarter of their blocks in the
@@ -225,7 +204,7 @@ def kv_dtype(args):
                      greedy.max_tokens * len(prompts) / seconds,   # (eos off: all of them)
                      (first.argmax(-1) == want[0].argmax(-1)).float().mean().item(),
                      f"{(want[0].exp() * (want[0] - first)).sum(-1).mean().item():.4f}",
-                     mean(o == w for o, w in zip(outs, want[1])), mean(differ or [math.nan])))
+                     mean(o == w for o, w in zip(outs, want[1])), mean(differ or [float("nan")])))
     report("kv_dtype", f"{len(prompts)} prompts, {memory / 2**20:.0f} MiB of KV cache",
            ["kv_cache_dtype", "bytes/block", "default pool", "at once", "tokens/s", "top-1",
             "KL", "identical", "differ at"], rows,
@@ -294,8 +273,7 @@ def multiturn(args):
            f"ahead, bring the first token {r['slow links: blocking'][3] / rows[-1][3]:.1f}x "
            f"sooner, with {rows[-1][5] / r['slow links: blocking'][5]:.1f}x the tokens/s.")
 
-EXPERIMENTS = {f.__name__: f for f in (memory, throughput, prefix, preemption, kv_dtype,
-                                        multiturn)}
+EXPERIMENTS = {f.__name__: f for f in (memory, throughput, prefix, kv_dtype, multiturn)}
 
 if __name__ == "__main__":
     p = nanopaged.ArgumentParser(description="nanopaged benchmark: the claims of paging, measured")

@@ -196,8 +196,9 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, quer
     block_m = max(1, (16 if max_query_len == 1 else 64) // group_padded)
     grid = (len(block_tables), num_kv_heads, triton.cdiv(max_query_len, block_m) * num_kv_splits)
     out = torch.empty_like(q) if out is None else out
-    quantized = k_cache.dtype == torch.int8   # kv_cache_dtype="int8": its scales too (below)
-    k_scale, v_scale = (scales(c, head_dim) if quantized else c for c in (k_cache, v_cache))
+    quantized = k_cache.dtype == torch.int8   # kv_cache_dtype="int8": the float32 scale of each
+    k_scale, v_scale = (c.view(torch.float32)[..., head_dim // 4] if quantized else c   # row,
+                        for c in (k_cache, v_cache))   # after its values (the kernel: a pointer)
     partial, lse = out, out.new_empty(1, 1, 1, dtype=torch.float32)   # one split: into out, no lse
     if num_kv_splits > 1:   # (splits, num_tokens, heads, head_dim) and (splits, num_tokens, heads)
         partial = q.new_empty(num_kv_splits, *q.shape, dtype=torch.float32)
@@ -246,9 +247,6 @@ def quantize(x):
     scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-30) / 127   # (..., 1)
     values = (x.float() / scale).round().to(torch.int8)
     return torch.cat((values, scale.view(torch.int8)), -1)
-
-def scales(cache, head_dim):   # an INT8 cache's scales, as float32: (num_blocks, block_size, heads)
-    return cache.view(torch.float32)[..., head_dim // 4]   # (the kernel: its data pointer)
 
 def dequantize(x, dtype):
     """(..., head_dim + 4) int8 -> (..., head_dim) in dtype: values times their row's scale."""

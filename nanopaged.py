@@ -2070,8 +2070,7 @@ if __name__ == "__main__":
     p.add_argument("--disk-path", help="the disk pool's file (default: a temporary one)")
     p.add_argument("--preemption-mode", choices=["recompute", "swap", "auto"], help="see README")
     p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], help="auto: the model's dtype")
-    p.add_argument("--offload-kv-cache-dtype", choices=["auto", "int8"],
-                   help="the host and disk pools' dtype (auto: as the device pool's)")
+    p.add_argument("--offload-kv-cache-dtype", choices=["auto", "int8"], help="host's, disk's")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     p.add_argument("--max-num-batched-tokens", type=int, help="tokens a step computes at most")
     p.add_argument("--watermark-blocks", type=int,
