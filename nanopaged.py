@@ -1118,9 +1118,9 @@ def check_loaded_model(llm, max_model_len, num_blocks, num_cpu_blocks, bytes_per
         ram = math.inf
     on_cpu = llm.device.type == "cpu"
     in_ram = num_cpu_blocks * host_bytes_per_block + on_cpu * num_blocks * bytes_per_block
-    require(in_ram <= ram, f"num_blocks {num_blocks} (device, {bytes_per_block} bytes each) and "
-            f"num_cpu_blocks {num_cpu_blocks} (host, {host_bytes_per_block} bytes each) exceed "
-            f"this machine's memory ({ram / 2**30:.0f} GiB)")
+    require(in_ram <= ram, f"num_blocks {num_blocks} (device) and num_cpu_blocks {num_cpu_blocks} "
+            f"(host) of {bytes_per_block} and {host_bytes_per_block} bytes exceed this machine's "
+            f"memory ({ram / 2**30:.0f} GiB)")
     free = math.inf if on_cpu else torch.cuda.mem_get_info(llm.device)[0]
     require(num_blocks * bytes_per_block <= free, f"num_blocks {num_blocks} of {bytes_per_block} "
             f"bytes exceed the {free / 2**30:.1f} GiB free on {llm.device}")
