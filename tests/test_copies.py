@@ -290,7 +290,7 @@ def test_a_slow_link_holds_each_copy_and_the_cost_rule_reads_it():
     nothing is written down to the disk or loaded from it; the host's 10 MB/s is worth it."""
     llm = checked(LLM("random:tiny", block_size=4, num_blocks=12, num_cpu_blocks=4,
                       num_disk_blocks=16, tier_gbps={"host": 0.01, "disk": 1e-6}))
-    bytes_per_block = llm.links.bytes_per_block
+    bytes_per_block = llm.links.bytes_per_block["device"]   # (every tier float32 here)
     cost = llm.block_manager.cost
     assert cost.seconds_per_block["host"] >= bytes_per_block / 1e7   # 0.01 GB/s: 0.2 ms a block
     assert cost.seconds_per_block["disk"] >= bytes_per_block / 1e3
