@@ -21,8 +21,8 @@ one request travels, with every mechanism of its memory system.
   3. ScheduledBatch, Scheduler    which tokens run this step; preemption when blocks run out
   4. sample, LLM                  the engine: block copies, tensors for the model, sampling, step
 After it, for a second reading: 5. API guards, 6. invariant checks, 7. events and metrics,
-8. the cost rule and the disk file, 9. failure recovery, 10. beam search rounds, 11. the live
-view, 12. the command line and its demos.
+8. the cost rule and the disk file, 9. failure recovery, 10. beam search rounds, 11. priorities
+and aging, 12. the live view, 13. the command line and its demos.
 
     python nanopaged.py --live           watch the default demo: the pool, every block table
     python nanopaged.py --demo fork --trace    a plain-text snapshot per step, for handouts
@@ -140,8 +140,9 @@ class Request:
     """One prompt and its params: the unit the scheduler admits, preempts and swaps, always whole.
     It starts as one sequence; n>1 samples fork from it as they draw their first tokens."""
 
-    def __init__(self, request_id, token_ids, params, seed):
+    def __init__(self, request_id, token_ids, params, seed, priority=0):
         self.request_id, self.params = request_id, params
+        self.priority = priority   # lower first, if scheduling_policy="priority" (section 11)
         self.prompt_token_ids = list(token_ids)
         self.status = RequestStatus.WAITING
         self.seqs = [Sequence(token_ids, request_id)]   # live sequences, in the order they forked
@@ -581,7 +582,9 @@ class ScheduledBatch:
 
 class Scheduler:
     """First come, first served continuous batching of requests under a token budget per step
-    (schedule() tells the order); a sequence short of a block preempts the newest request."""
+    (schedule() tells the order); a sequence short of a block preempts the newest request.
+    Every line (waiting, running, swapped) is kept in rank() order: here, arrival; a
+    PriorityScheduler (section 11) ranks by priority first, and the same code serves it."""
 
     def __init__(self, block_manager, max_num_seqs=256, max_num_batched_tokens=2048,
                  watermark=0.01, eos_token_ids=(), preemption_mode="auto"):
@@ -592,13 +595,19 @@ class Scheduler:
         self.preemption_mode = preemption_mode
         # admitting a prompt leaves this many blocks free, so the next decodes need not preempt
         self.watermark_blocks = int(watermark * block_manager.num_blocks)
-        self.waiting = deque()     # requests, FCFS; requests preempted by recompute go in front
-        self.running = []          # requests in arrival order (request_id)
+        self.waiting = deque()     # requests in arrival order: preempted ones are older, in front
+        self.running = []          # requests in arrival order
         self.swapped = []          # requests on the host pool, in arrival order
         self.num_preemptions = 0   # requests preempted (all their sequences at once), either way
 
     def has_unfinished(self):
         return bool(self.waiting or self.running or self.swapped)
+
+    def rank(self, request):   # the order of every line: first come, first served
+        return request.request_id
+
+    def enqueue(self, line, request):   # into waiting, running or swapped, in rank order
+        bisect.insort(line, request, key=self.rank)
 
     def _fits(self, request):
         return sum(r.max_num_running_seqs for r in [*self.running, request]) <= self.max_num_seqs
@@ -608,7 +617,7 @@ class Scheduler:
 
     def _start_running(self, request, batch):   # its sequences with tokens to compute join batch
         request.status = RequestStatus.RUNNING
-        bisect.insort(self.running, request, key=lambda r: r.request_id)
+        self.enqueue(self.running, request)
         for seq in request.seqs:
             if self._ready(seq) and not batch.is_full:
                 self.block_manager.append_slot(seq)   # (can_allocate, can_swap_in made room)
@@ -625,15 +634,15 @@ class Scheduler:
         bm = self.block_manager
         batch = ScheduledBatch(self.max_num_batched_tokens)
         num_preemptions = self.num_preemptions
-        # 1. running requests, oldest first, so that decodes keep a steady pace: each sequence's
-        #    next token or chunk (a budget run out mid-request leaves its samples a token apart)
+        # 1. running requests, first in rank (oldest) first, so that decodes keep a steady pace:
+        #    each sequence's next token or chunk (a budget run out leaves samples a token apart)
         for request in list(self.running):
             for seq in filter(self._ready, request.seqs):
                 if request.status is not RequestStatus.RUNNING or batch.is_full:
                     break   # preempted (by itself, or by an older request's need), or no budget
-                # short of a block: preempt the newest running request (running is in arrival
-                # order) until seq has one; once the newest is seq's own request, it gave its
-                # blocks back and waits like the others
+                # short of a block: preempt the last running request in rank (the newest) until
+                # seq has one; once the last is seq's own request, it gave its blocks back and
+                # waits like the others
                 while request.status is RequestStatus.RUNNING and not bm.can_append(seq):
                     self.preempt(self.running[-1], batch)
                 if request.status is RequestStatus.RUNNING:
@@ -642,21 +651,20 @@ class Scheduler:
         # a step that preempted lets nobody in: running requests need the blocks it freed next
         if self.num_preemptions > num_preemptions:
             return batch
-        # 2. swapped requests, before any waiting one: nobody overtakes a preempted request
-        while self.swapped:   # its swap-in may start though the step has no budget left: prefetch
-            request = self.swapped[0]
-            room = bm.can_swap_in(*request.seqs, watermark=self._watermark())
-            if not self._fits(request) or not room:
-                break
-            self.swapped.pop(0)
-            bm.swap_in(*request.seqs)
-            self._start_running(request, batch)
-        # 3. waiting requests, first come first served, while nothing is swapped out
-        while self.waiting and not self.swapped and not batch.is_full:
-            request = self.waiting[0]
+        # 2. the next in line, while it fits: a swapped request before any waiting one (nobody
+        #    overtakes a preempted request), then the waiting requests, first come first served
+        while request := self._next_in_line(batch):
             leader, *others = request.seqs
             if not self._fits(request):
                 break
+            # a swapped request's swap-in may start though the step has no budget left: prefetch
+            if request.status is RequestStatus.SWAPPED:
+                if not bm.can_swap_in(*request.seqs, watermark=self._watermark()):
+                    break
+                self.swapped.remove(request)
+                bm.swap_in(*request.seqs)
+                self._start_running(request, batch)
+                continue
             if not bm.can_allocate(leader, self._watermark(), others):
                 if bm.can_allocate(leader, 0, others):   # it fits, but would leave too few free
                     self.events.record("watermark", [leader.seq_id], num_blocks=self._watermark())
@@ -664,6 +672,11 @@ class Scheduler:
             self.waiting.popleft()
             self._admit(request, batch)
         return batch
+
+    def _next_in_line(self, batch):   # the first swapped request, else the first waiting one
+        if self.swapped:
+            return self.swapped[0]
+        return self.waiting[0] if self.waiting and not batch.is_full else None
 
     def _admit(self, request, batch):
         """Allocate a waiting request's blocks, all its sequences at once. A recomputed n>1 or
@@ -701,7 +714,7 @@ class Scheduler:
         if mode == "swap":
             self.block_manager.swap_out(*request.seqs)
             request.status = RequestStatus.SWAPPED
-            bisect.insort(self.swapped, request, key=lambda r: r.request_id)
+            self.enqueue(self.swapped, request)
         else:
             self._recompute(request)
         self.num_preemptions += 1
@@ -714,7 +727,7 @@ class Scheduler:
             seq.waits_for = None
             seq.logprobs = None   # a beam computes its log-probs again
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        self.enqueue(self.waiting, request)   # in front of newer requests
 
     def postprocess(self, batch, sampled):
         """After the model ran: advance each sequence, register its newly full blocks, append the
@@ -794,7 +807,8 @@ class LLM:
                  num_cpu_blocks=0, num_disk_blocks=0, disk_path=None, enable_prefix_caching=True,
                  max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=None,
                  preemption_mode="auto", seed=0, kv_cache_dtype="auto",
-                 offload_kv_cache_dtype="auto", async_copies=True, tier_gbps=None):
+                 offload_kv_cache_dtype="auto", async_copies=True, tier_gbps=None,
+                 scheduling_policy="fcfs", priority_aging_steps=0):
         # the arguments are checked before the model loads, which takes seconds (section 5)
         check_engine_args(**{k: v for k, v in locals().items() if k != "self"})
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -841,8 +855,11 @@ class LLM:
         self.block_manager = BlockManager(num_blocks, block_size, num_cpu_blocks,
                                           enable_prefix_caching, self.events, num_disk_blocks,
                                           cost)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
-                                   eos_token_ids=eos_token_ids, preemption_mode=preemption_mode)
+        # "priority": the lines ordered by each request's priority, aged (section 11)
+        policy = Scheduler if scheduling_policy == "fcfs" else PriorityScheduler
+        self.scheduler = policy(self.block_manager, max_num_seqs, max_num_batched_tokens,
+                                eos_token_ids=eos_token_ids, preemption_mode=preemption_mode)
+        self.scheduler.aging_steps = priority_aging_steps
         self.seed = seed
         self.request_ids = itertools.count()
         self.requests = {}   # request_id -> Request, until its output is returned
@@ -851,40 +868,42 @@ class LLM:
         self.num_generated_tokens = 0
 
     # -- requests in
-    def add_requests(self, prompts, params=None, kind=SamplingParams):
-        """Validate all, then queue all: a bad prompt leaves the engine as it was. Returns ids."""
+    def add_requests(self, prompts, params=None, kind=SamplingParams, priority=None):
+        """Validate all, then queue all: a bad prompt leaves the engine as it was. Returns ids.
+        priority: None, or an int per prompt (scheduling_policy="priority": lower goes first)."""
         request_ids = []
         # every prompt tokenized and checked (ValueError) before any is queued (section 5)
-        checked = checked_requests(self, prompts, params, kind)
+        checked = checked_requests(self, prompts, params, kind, priority)
         with interrupts_held():   # Ctrl-C waits until all are queued (section 9)
-            for token_ids, p in checked:
+            for token_ids, p, priority in checked:
                 request_id = next(self.request_ids)
                 seed = getattr(p, "seed", None)
                 seed = (self.seed * 1_000_003 + request_id) % 2**63 if seed is None else seed
-                self.requests[request_id] = Request(request_id, token_ids, p, seed)
-                self.scheduler.waiting.append(self.requests[request_id])   # last in line (FCFS)
+                self.requests[request_id] = Request(request_id, token_ids, p, seed, priority)
+                self.scheduler.enqueue(self.scheduler.waiting, self.requests[request_id])
                 request_ids.append(request_id)
         return request_ids
 
-    def generate(self, prompts, params=None, live=False):
+    def generate(self, prompts, params=None, live=False, priority=None):
         """prompts: a string, a list of strings or of token-id lists; params: one for all, or one
-        per prompt; live: watch it in the terminal (View). Returns a RequestOutput per prompt."""
-        return self._run(prompts, params, SamplingParams, live)
+        per prompt; live: watch it in the terminal (View); priority: see add_requests. Returns a
+        RequestOutput per prompt."""
+        return self._run(prompts, params, SamplingParams, live, priority)
 
-    def beam_search(self, prompts, params, live=False):
+    def beam_search(self, prompts, params, live=False, priority=None):
         """The beam_width likeliest continuations of each prompt: a BeamSearchOutput per prompt."""
-        return self._run(prompts, params, BeamSearchParams, live)
+        return self._run(prompts, params, BeamSearchParams, live, priority)
 
-    def _run(self, prompts, params, kind, live):
+    def _run(self, prompts, params, kind, live, priority):
         """Queue, step, return the outputs; a call that raises (Ctrl-C too) drops its requests."""
         check_args(live=live)   # a bool, or a ValueError (section 5)
         request_ids = []
         # if anything below raises, this call's requests are dropped with their blocks (section 9)
         with recovery(lambda: abort(self, request_ids)):
             with interrupts_held():   # queued and known here, or not queued at all
-                request_ids += self.add_requests(prompts, params, kind)
+                request_ids += self.add_requests(prompts, params, kind, priority)
             requests = [self.requests[r] for r in request_ids]
-            with View(self) if live else contextlib.nullcontext():   # the live view (section 11)
+            with View(self) if live else contextlib.nullcontext():   # the live view (section 12)
                 while any(r.status is not RequestStatus.FINISHED for r in requests):
                     self.step()
             return [self.output(r) for r in request_ids]
@@ -1008,7 +1027,7 @@ class LLM:
         return engine_stats(self)   # (section 7)
 
 # ==============================================================================================
-# reading path ends here. Every mechanism is above; below, sections 5-12, for a second reading
+# reading path ends here. Every mechanism is above; below, sections 5-13, for a second reading
 # ==============================================================================================
 
 # ----------------------------------------------------------------------------------------------
@@ -1043,6 +1062,7 @@ ARG_RULES = {
                    "a positive power of two (1, 2, 4, ... 16 ...)"),
     "preemption_mode": (lambda x: x in ("recompute", "swap", "auto"),
                         "'recompute', 'swap' or 'auto'"),
+    "scheduling_policy": (lambda x: x in ("fcfs", "priority"), "'fcfs' or 'priority'"),
     "seed": (lambda x: is_int(x) and 0 <= x < 2**63, "an int in [0, 2**63)"),
     "temperature": (lambda x: is_number(x) and (x == 0 or x >= MIN_TEMPERATURE),
                     f"0 (greedy) or a number >= {MIN_TEMPERATURE}"),
@@ -1059,7 +1079,8 @@ ARG_RULES = {
     # (None: num_blocks from a memory budget, max_model_len the model's)
     **dict.fromkeys(["num_blocks", "max_model_len"],
                     (lambda x: x is None or is_int(x) and x >= 1, "None or an int >= 1")),
-    **dict.fromkeys(["num_cpu_blocks", "num_disk_blocks", "top_k"],   # top_k 0: every token
+    # (top_k 0: every token; priority_aging_steps 0: no aging)
+    **dict.fromkeys(["num_cpu_blocks", "num_disk_blocks", "top_k", "priority_aging_steps"],
                     (lambda x: is_int(x) and x >= 0, "an int >= 0")),
     **dict.fromkeys(["max_num_seqs", "max_num_batched_tokens", "max_tokens", "n", "beam_width"],
                     (lambda x: is_int(x) and x >= 1, "an int >= 1")),
@@ -1107,6 +1128,8 @@ def check_engine_args(device, disk_path, **args):
             "disk tier holds cached blocks only, and enable_prefix_caching is False")
     require(args["preemption_mode"] != "swap" or args["num_cpu_blocks"],
             "preemption_mode='swap' needs a host pool: num_cpu_blocks > 0")
+    require(args["scheduling_policy"] == "priority" or not args["priority_aging_steps"],
+            "priority_aging_steps ages priorities: give scheduling_policy='priority' with it")
 
 
 def check_loaded_model(llm, max_model_len, num_blocks, num_cpu_blocks, bytes_per_block,
@@ -1137,7 +1160,8 @@ def tokenize(llm, prompt):
             f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
     return list(prompt)
 
-def checked_requests(llm, prompts, params, kind):   # [(token_ids, params)], all checked
+# [(token_ids, params, priority)], all checked
+def checked_requests(llm, prompts, params, kind, priority=None):
     require(kind in (SamplingParams, BeamSearchParams),
             f"kind must be SamplingParams or BeamSearchParams, got {kind!r}")
     one_prompt = isinstance(prompts, (list, tuple)) and prompts and is_int(prompts[0])
@@ -1153,8 +1177,14 @@ def checked_requests(llm, prompts, params, kind):   # [(token_ids, params)], all
     for p in params:
         require(isinstance(p, kind), f"params: expected {kind.__name__}, got {type(p).__name__}"
                 " (generate takes SamplingParams, beam_search takes BeamSearchParams)")
-    requests = [(tokenize(llm, prompt), p) for prompt, p in zip(prompts, params)]
-    for token_ids, p in requests:
+    priority = [0] * len(prompts) if priority is None else priority
+    require(isinstance(priority, (list, tuple)) and len(priority) == len(prompts)
+            and all(map(is_int, priority)),
+            f"priority: one int per prompt ({len(prompts)} prompts), got {priority!r}")
+    require(isinstance(llm.scheduler, PriorityScheduler) or not any(priority),
+            f"priority {priority!r}: give LLM(scheduling_policy='priority') to use priorities")
+    requests = [(tokenize(llm, x), p, q) for x, p, q in zip(prompts, params, priority)]
+    for token_ids, p, _ in requests:
         validate_request(llm, token_ids, p)
     return requests
 
@@ -1759,7 +1789,56 @@ def beam_output(llm, request):   # the best by vLLM's score, whose length counts
     return BeamSearchOutput(request.request_id, request.prompt_token_ids, sequences)
 
 # ----------------------------------------------------------------------------------------------
-# 11. The live view, drawn with rich after every step
+# 11. Priorities and aging: who goes first, and who gives up memory
+
+# scheduling_policy="priority" (vLLM's --scheduling-policy priority): each request has a priority,
+# lower first, ties by arrival. The Scheduler serves it unchanged: it keeps each line (waiting,
+# running, swapped) in rank() order, so the first waiting request is the most urgent, and the
+# victim of a preemption, the last running one, the least urgent (the newest among equals). One
+# difference: a swapped request goes before a waiting one only if it ranks better.
+#
+# Serving the urgent first can starve the others: a steady stream of urgent requests holds a less
+# urgent one back for ever. Aging (priority_aging_steps=K; 0: off) is the answer: a request's
+# effective priority improves by one level for every K steps it has waited or sat swapped out, and
+# what it earned stays with it when it runs (it is preempted less readily). The bound: a request r
+# of priority p is never admitted after one that arrived K * (p - q) or more steps after it (q:
+# that one's priority). So once K * (p - best) steps have passed (best: the best priority that
+# comes), no later request goes first: r waits only for those that came before then. Why: the
+# line is served in rank order, the first waiting request first or nobody; a request q that came
+# d steps after r and goes first ranks better, q - (its steps waited) // K < p - (r's) // K, and
+# it has waited at most r's steps - d, so d // K < p - q.
+
+class PriorityScheduler(Scheduler):
+    """A Scheduler whose lines are ranked by (effective priority, arrival): see above."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.aging_steps = 0   # LLM's priority_aging_steps
+        self.num_steps_waited = Counter()   # request_id -> steps it spent waiting or swapped out
+
+    def effective_priority(self, request):
+        waited = self.num_steps_waited[request.request_id]
+        return request.priority - (waited // self.aging_steps if self.aging_steps else 0)
+
+    def rank(self, request):
+        return self.effective_priority(request), request.request_id
+
+    def _next_in_line(self, batch):   # the better ranked of the first swapped and first waiting
+        heads = self.swapped[:1]
+        if self.waiting and not batch.is_full:
+            heads.append(self.waiting[0])
+        return min(heads, key=self.rank, default=None)
+
+    def schedule(self):
+        batch = super().schedule()
+        for request in [*self.waiting, *self.swapped]:   # passed over this step: they age
+            self.num_steps_waited[request.request_id] += 1
+        self.waiting = deque(sorted(self.waiting, key=self.rank))   # aged, they may move up
+        self.swapped.sort(key=self.rank)
+        return batch
+
+# ----------------------------------------------------------------------------------------------
+# 12. The live view, drawn with rich after every step
 
 def printable(text):   # never raw: a newline as a space, other control characters escaped
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text.replace("\n", " "))
@@ -1936,14 +2015,18 @@ class View:
     def sequences(self, width, max_rows=None):   # a row per live sequence: K/V, table, text
         bm, sched = self.llm.block_manager, self.llm.scheduler
         rows = [(r, s) for r in [*sched.running, *sched.swapped, *sched.waiting] for s in r.seqs]
-        header = f"{'seq':>5} {'req':>4}  {'state':<8} {'K':>4}/{'V':<4}  {'block table':<26} text"
-        lines = [Text(header, "bold")]
+        # under scheduling_policy="priority", each request's priority: effective (as given)
+        ranked = isinstance(sched, PriorityScheduler)
+        header = f"{'seq':>5} {'req':>4}{'  priority' * ranked}  {'state':<8} {'K':>4}/{'V':<4}  "
+        lines = [Text(f"{header}{'block table':<26} text", "bold")]
         shown = rows[:max_rows]   # None: all
         for request, seq in shown:
             pool = bm.host if request.status is RequestStatus.SWAPPED else bm.device
             where = "" if pool is bm.device else pool.name   # a table into the host: host[...]
             table = where + table_text(pool.blocks, seq.block_table, 26 - len(where))
             line = Text(f"{seq.seq_id:>5} {seq.request_id:>4}", HOLDER_COLOURS[seq.request_id % 8])
+            if ranked:
+                line.append(f"  {sched.effective_priority(request):>3} ({request.priority:>2})")
             # loading: its blocks in flight (section 8)
             loading = self.llm.copy_engine and self.llm.copy_engine.loading(request)
             state = "loading" if loading else request.status.value
@@ -1958,7 +2041,7 @@ class View:
         return lines
 
 # ----------------------------------------------------------------------------------------------
-# 12. Command line: demos that provoke each mechanism, watched live or traced
+# 13. Command line: demos that provoke each mechanism, watched live or traced
 
 SYSTEM = "You are a helpful assistant. Answer in one short sentence.\n"
 QUESTIONS = ["What is a cache?", "Why is the sky blue?", "What is a prime number?",
@@ -1975,6 +2058,7 @@ DEMOS = {   # name: what it shows
     "watermark": "a request that would fit waits: it would leave no block for the next decode",
     "tiers": "two questions come back: their blocks, written down to host and disk, load back up",
     "overlap": "the tiers demo over slow links, copies in the background: others run meanwhile",
+    "priority": "a long request of priority 1 among short ones of 0: it waits, then aging lets it in",
 }
 # each demo's pool, of 4-token blocks: small enough for a screen to show every block
 DEMO_POOLS = {"mix": dict(num_blocks=24, num_cpu_blocks=12, preemption_mode="swap"),
@@ -1987,10 +2071,11 @@ DEMO_POOLS = {"mix": dict(num_blocks=24, num_cpu_blocks=12, preemption_mode="swa
 # to move on a CPU, as 2,000 tokens of history over PCIe and NVMe take on a GPU server
 DEMO_POOLS["overlap"] = dict(DEMO_POOLS["tiers"], async_copies=True,
                              tier_gbps={"host": 0.005, "disk": 0.002})
+DEMO_POOLS["priority"] = dict(num_blocks=16, scheduling_policy="priority", priority_aging_steps=3)
 
 def demo_arrivals(name, llm):
-    """A demo's requests to llm, [(step, prompts, params)]: each queued once the engine has run
-    `step` steps (an idle engine skips ahead to the next), so a trace repeats exactly."""
+    """A demo's requests to llm, [(step, prompts, params[, priority])]: each queued once the
+    engine has run `step` steps (an idle engine skips ahead to the next): a trace repeats."""
 
     def text(s, length=None):   # token ids (random weights: a made-up id a word), to length
         if isinstance(s, str):
@@ -2020,6 +2105,9 @@ def demo_arrivals(name, llm):
         # two 28-token questions, three requests that push their blocks down, the two again
         "tiers": [(0, [text(q, 28) for q in ask[:2]], greedy), (12, ask[2:], greedy),
                   (24, [text(q, 28) + text(" Say more.") for q in ask[:2]], greedy)],
+        # a long request of priority 1, then short ones of priority 0, one every 3 steps
+        "priority": [(0, ask[:1], longer, [1])] + [(3 * i, [text(q)], greedy, [0])
+                                                   for i, q in enumerate(QUESTIONS * 4)],
     }[name.replace("overlap", "tiers")]
 
 def demo_pool(name, block_size):   # DEMO_POOLS counts 4-token blocks: smaller ones get more
@@ -2030,15 +2118,15 @@ def demo_pool(name, block_size):   # DEMO_POOLS counts 4-token blocks: smaller o
 def run_demo(llm, name, live=False, trace=False, delay=0.0):
     """Run a demo (every request checked first), print its outputs; return its seconds."""
     arrivals = demo_arrivals(name, llm)
-    for _, prompts, params in arrivals:
-        checked_requests(llm, prompts, params, type(params))
+    for _, prompts, params, *priority in arrivals:
+        checked_requests(llm, prompts, params, type(params), *priority)
     t0 = time.perf_counter()
     request_ids = []
     with View(llm, live, None, delay) if live or trace else contextlib.nullcontext():
-        for step, prompts, params in arrivals:
+        for step, prompts, params, *priority in arrivals:
             while llm.num_steps < step and llm.scheduler.has_unfinished():
                 llm.step()
-            request_ids += llm.add_requests(prompts, params, type(params))
+            request_ids += llm.add_requests(prompts, params, type(params), *priority)
         while llm.scheduler.has_unfinished():
             llm.step()
     for out in map(llm.output, request_ids):
@@ -2071,6 +2159,8 @@ if __name__ == "__main__":
     p.add_argument("--preemption-mode", choices=["recompute", "swap", "auto"], help="see README")
     p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], help="auto: the model's dtype")
     p.add_argument("--offload-kv-cache-dtype", choices=["auto", "int8"], help="host's, disk's")
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], help="default: fcfs")
+    p.add_argument("--priority-aging-steps", type=int, help="a level better every K steps waited")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     p.add_argument("--max-num-batched-tokens", type=int, help="tokens a step computes at most")
     p.add_argument("--watermark-blocks", type=int,
@@ -2085,7 +2175,8 @@ if __name__ == "__main__":
     kwargs = dict(demo_pool(args.demo, args.block_size), block_size=args.block_size,
                   enable_prefix_caching=not args.no_prefix_caching)
     optional = ("num_blocks", "num_cpu_blocks", "num_disk_blocks", "disk_path", "preemption_mode",
-                "max_num_batched_tokens", "kv_cache_dtype", "offload_kv_cache_dtype")
+                "max_num_batched_tokens", "kv_cache_dtype", "offload_kv_cache_dtype",
+                "scheduling_policy", "priority_aging_steps")
     kwargs.update({k: getattr(args, k) for k in optional if getattr(args, k) is not None})
     try:
         llm = LLM(args.model, device=args.device, **kwargs)
