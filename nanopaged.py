@@ -1681,13 +1681,10 @@ def recovery(undo):
     frame = sys._getframe(2)   # the frame of the `with` statement (1: contextlib's __enter__)
     line = frame.f_lineno
     recovering = False
-
-    def leaving():   # is the block over, its frame back at the `with` line, or recovering?
-        return recovering or frame.f_lineno == line
-
-    # the frame is at the `with` line until the block begins: a Ctrl-C that comes once the
-    # handler is set waits for the block's end, where the handler goes (a Ctrl-C held: raised)
-    with interrupts_held(hold=leaving):
+    # Ctrl-C is held once the block is over (its frame back at the `with` line) and while
+    # recovering. The frame is at that line until the block begins too: a Ctrl-C that comes once
+    # the handler is set waits for the block's end, where the handler goes (a Ctrl-C held: raised)
+    with interrupts_held(hold=lambda: recovering or frame.f_lineno == line):
         try:
             yield
         except BaseException:
