@@ -1618,22 +1618,22 @@ class Undo:
         for generator, state in self.random_states:
             generator.set_state(state)
         holders = sorted(sched.running + sched.swapped, key=lambda r: r.request_id, reverse=True)
-        for pool in bm.tiers:   # nobody holds a block; the registered stay cached
-            rebuild_pool(bm, pool, unmade, holders)
         sched.running, sched.swapped = [], []
         for request in holders:   # the newest first, so that the oldest ends in front
+            # its blocks stamped as freeing them would (tail first; a shared block at its last
+            # holder), for the rebuild's LRU order; then it lets go of them, to be recomputed
+            pool = bm.host if request.status is RequestStatus.SWAPPED else bm.device
             for seq in request.seqs:
+                for block_id in reversed(seq.block_table):
+                    pool.blocks[block_id].cached_at = next(bm.clock)
                 seq.block_table = []
             sched._recompute(request)
+        for pool in bm.tiers:   # nobody holds a block; the registered stay cached
+            rebuild_pool(bm, pool, unmade)
 
-def rebuild_pool(bm, pool, unmade, holders):
+def rebuild_pool(bm, pool, unmade):
     """Every block of pool free, or cached if whole and registered as the step left it, in LRU
-    order: by cached_at, after the blocks the holders (requests, newest first, as before the step)
-    held are stamped as freeing them would (tail first; a shared block at its last holder)."""
-    for request in holders:
-        if pool is (bm.host if request.status is RequestStatus.SWAPPED else bm.device):
-            for block_id in (b for seq in request.seqs for b in reversed(seq.block_table)):
-                pool.blocks[block_id].cached_at = next(bm.clock)
+    order: by cached_at (Undo.restore has stamped the blocks the step's holders held)."""
     registered = pool.hash_to_block_ids   # as the step left it: a block goes in last
     pool.free_block_ids, pool.cached_block_ids, pool.seqs = deque(), OrderedDict(), {}
     pool.hash_to_block_ids = {}
