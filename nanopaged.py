@@ -1578,8 +1578,7 @@ def open_disk_pool(path, shape, dtype):
         raise ValueError(f"num_disk_blocks: {num_bytes / 2**20:.1f} MiB do not fit in {folder} "
                          f"({free / 2**20:.1f} MiB free): {getattr(e, 'strerror', e)}") from None
     else:   # mapped: the mapping keeps the file once its name is gone
-        disk = torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype)
-        return disk.view(shape)
+        return torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
     finally:   # the name goes at once, mapped or not: nothing outlives the engine
         os.close(fd)
         os.remove(path)
