@@ -1375,8 +1375,6 @@ class CostModel:
                       f"tokens {ms(recompute_seconds)}")
 
 
-TIERS = ("device", "host", "disk")   # fastest first
-
 class Links:
     """The tiers' K/V caches and the links between them: copy() moves one block's K and V (all
     layers). tier_gbps={'host': G, 'disk': G} makes a tier's link to the others that slow, to
@@ -1399,7 +1397,8 @@ class Links:
         if kv.dtype != into.dtype and into.is_cuda:   # (converted on the GPU: INT8 crosses PCIe)
             kv = kv.to(into.device)
         into.copy_(to_dtype(kv, into.dtype))   # (an INT8 tier's: quantized down, dequantized up)
-        link = max(src_tier.name, dst_tier.name, key=TIERS.index)   # the lower tier's link
+        # the lower tier's link: of the two, the later in the tiers' order, fastest first
+        link = max(src_tier.name, dst_tier.name, key=("device", "host", "disk").index)
         self.bytes_moved[link] += self.bytes_per_block[link]   # (INT8 below: fewer)
         if link in self.seconds:   # held until bytes / bandwidth have passed
             time.sleep(max(0.0, self.seconds[link] - (time.perf_counter() - t0)))
