@@ -1405,8 +1405,6 @@ class CostModel:
                       f"tokens {ms(recompute_seconds)}")
 
 
-TIERS = ("device", "host", "disk")   # fastest first
-
 class Links:
     """The tiers' K/V caches and the links between them: copy() moves one block's K and V (all
     layers). tier_gbps={'host': G, 'disk': G} makes a tier's link to the others that slow, to
@@ -1429,7 +1427,8 @@ class Links:
         if kv.dtype != into.dtype and into.is_cuda:   # (converted on the GPU: INT8 crosses PCIe)
             kv = kv.to(into.device)
         into.copy_(to_dtype(kv, into.dtype))   # (an INT8 tier's: quantized down, dequantized up)
-        link = max(src_tier.name, dst_tier.name, key=TIERS.index)   # the lower tier's link
+        # the lower tier's link: of the two, the later in the tiers' order, fastest first
+        link = max(src_tier.name, dst_tier.name, key=("device", "host", "disk").index)
         self.bytes_moved[link] += self.bytes_per_block[link]   # (INT8 below: fewer)
         if link in self.seconds:   # held until bytes / bandwidth have passed
             time.sleep(max(0.0, self.seconds[link] - (time.perf_counter() - t0)))
@@ -1608,8 +1607,7 @@ def open_disk_pool(path, shape, dtype):
         raise ValueError(f"num_disk_blocks: {num_bytes / 2**20:.1f} MiB do not fit in {folder} "
                          f"({free / 2**20:.1f} MiB free): {getattr(e, 'strerror', e)}") from None
     else:   # mapped: the mapping keeps the file once its name is gone
-        disk = torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype)
-        return disk.view(shape)
+        return torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
     finally:   # the name goes at once, mapped or not: nothing outlives the engine
         os.close(fd)
         os.remove(path)
@@ -1648,22 +1646,22 @@ class Undo:
         for generator, state in self.random_states:
             generator.set_state(state)
         holders = sorted(sched.running + sched.swapped, key=lambda r: r.request_id, reverse=True)
-        for pool in bm.tiers:   # nobody holds a block; the registered stay cached
-            rebuild_pool(bm, pool, unmade, holders)
         sched.running, sched.swapped = [], []
         for request in holders:   # the newest first, so that the oldest ends in front
+            # its blocks stamped as freeing them would (tail first; a shared block at its last
+            # holder), for the rebuild's LRU order; then it lets go of them, to be recomputed
+            pool = bm.host if request.status is RequestStatus.SWAPPED else bm.device
             for seq in request.seqs:
+                for block_id in reversed(seq.block_table):
+                    pool.blocks[block_id].cached_at = next(bm.clock)
                 seq.block_table = []
             sched._recompute(request)
+        for pool in bm.tiers:   # nobody holds a block; the registered stay cached
+            rebuild_pool(bm, pool, unmade)
 
-def rebuild_pool(bm, pool, unmade, holders):
+def rebuild_pool(bm, pool, unmade):
     """Every block of pool free, or cached if whole and registered as the step left it, in LRU
-    order: by cached_at, after the blocks the holders (requests, newest first, as before the step)
-    held are stamped as freeing them would (tail first; a shared block at its last holder)."""
-    for request in holders:
-        if pool is (bm.host if request.status is RequestStatus.SWAPPED else bm.device):
-            for block_id in (b for seq in request.seqs for b in reversed(seq.block_table)):
-                pool.blocks[block_id].cached_at = next(bm.clock)
+    order: by cached_at (Undo.restore has stamped the blocks the step's holders held)."""
     registered = pool.hash_to_block_ids   # as the step left it: a block goes in last
     pool.free_block_ids, pool.cached_block_ids, pool.seqs = deque(), OrderedDict(), {}
     pool.hash_to_block_ids = {}
@@ -1711,13 +1709,10 @@ def recovery(undo):
     frame = sys._getframe(2)   # the frame of the `with` statement (1: contextlib's __enter__)
     line = frame.f_lineno
     recovering = False
-
-    def leaving():   # is the block over, its frame back at the `with` line, or recovering?
-        return recovering or frame.f_lineno == line
-
-    # the frame is at the `with` line until the block begins: a Ctrl-C that comes once the
-    # handler is set waits for the block's end, where the handler goes (a Ctrl-C held: raised)
-    with interrupts_held(hold=leaving):
+    # Ctrl-C is held once the block is over (its frame back at the `with` line) and while
+    # recovering. The frame is at that line until the block begins too: a Ctrl-C that comes once
+    # the handler is set waits for the block's end, where the handler goes (a Ctrl-C held: raised)
+    with interrupts_held(hold=lambda: recovering or frame.f_lineno == line):
         try:
             yield
         except BaseException:
