@@ -10,6 +10,7 @@ import json
 import platform
 import random
 import time
+from collections import Counter
 from statistics import fmean as mean
 
 import torch
@@ -273,7 +274,50 @@ def multiturn(args):
            f"ahead, bring the first token {r['slow links: blocking'][3] / rows[-1][3]:.1f}x "
            f"sooner, with {rows[-1][5] / r['slow links: blocking'][5]:.1f}x the tokens/s.")
 
-EXPERIMENTS = {f.__name__: f for f in (memory, throughput, prefix, kv_dtype, multiturn)}
+def priority(args):
+    """Interactive requests (priority 0: 16-32 tokens, 8 out), one every other step, over batch
+    requests queued at once (priority 1: 128-256 tokens, 64 out), in a pool of three of the batch
+    requests, which preempts: first come first served, by priority, by priority with aging. The
+    interactive ones' TTFT; the most steps a batch request waited, in line or preempted."""
+    num_batch, num_interactive = (4, 8) if args.quick else (8, 24)
+    rng = random.Random(5)
+    text = corpus(engine(args, num_blocks=1))
+    starts = rng.sample(range(len(text) - 256), num_batch + num_interactive)
+    prompts = [text[i:i + rng.randint(128, 256) if k < num_batch else i + rng.randint(16, 32)]
+               for k, i in enumerate(starts)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (64, 8)]
+    policies = {"fcfs": {}, "priority": dict(scheduling_policy="priority"),
+                "priority, aging 4": dict(scheduling_policy="priority", priority_aging_steps=4)}
+    rows, want = [], None
+    for name, policy in policies.items():
+        llm = engine(args, num_blocks=3 * (256 + 64) // 16, **policy)
+        level = int(bool(policy))   # the batch requests' priority (fcfs: all 0)
+        waited = Counter()   # request id -> steps it spent waiting or swapped out
+        lines = lambda: [*llm.scheduler.waiting, *llm.scheduler.swapped]
+        llm.on_step.append(lambda report: waited.update(r.request_id for r in lines()))
+        t0 = time.perf_counter()
+        batch = llm.add_requests(prompts[:num_batch], params[0], priority=[level] * num_batch)
+        interactive, queue = [], prompts[num_batch:]
+        while queue or llm.scheduler.has_unfinished():
+            if queue and (llm.num_steps % 2 == 0 or not llm.scheduler.has_unfinished()):
+                interactive += llm.add_requests([queue.pop(0)], params[1], priority=[0])
+            llm.step()
+        seconds = time.perf_counter() - t0
+        outs = {r: llm.output(r) for r in batch + interactive}
+        ttft = sorted(outs[r].ttft for r in interactive)
+        tokens = [o.outputs[0].token_ids for o in outs.values()]
+        want = want or tokens
+        rows.append((name, mean(ttft), ttft[int(0.9 * len(ttft))], max(waited[r] for r in batch),
+                     llm.num_generated_tokens / seconds, mean(t == w for t, w in zip(tokens, want))))
+    r = {row[0]: row for row in rows}
+    report("priority", f"{num_interactive} interactive requests over {num_batch} batch requests",
+           ["policy", "ttft mean", "ttft p90", "batch: longest wait (steps)", "tokens/s",
+            "same tokens"], rows,
+           f"By priority the interactive requests' first token comes {rows[0][1] / r['priority'][1]:.1f}x "
+           f"sooner than first come first served; aging holds the batch requests' longest wait to "
+           f"{rows[2][3]} steps, against {r['priority'][3]} without it.")
+
+EXPERIMENTS = {f.__name__: f for f in (memory, throughput, prefix, kv_dtype, multiturn, priority)}
 
 if __name__ == "__main__":
     p = nanopaged.ArgumentParser(description="nanopaged benchmark: the claims of paging, measured")
