@@ -11,11 +11,16 @@ Sequence i's q_len new tokens, q[qsl[i]:qsl[i+1]] (qsl = query_start_loc), are t
 context_lens[i] tokens and attend causally to all before them (q_len 1: a decode; more: a prefill
 chunk), with grouped-query attention. Read it in order, as a Triton tutorial: the K/V write; the
 PyTorch reference (the CPU path and the kernel's oracle); the Triton kernel; its launcher; dispatch,
-where the reading path ends; then flash-decoding's switch, the check and the benchmark.
+where the reading path ends. Below the banner, for a second reading: the INT8 cache
+(kv_cache_dtype="int8": quantize and dequantize, a float32 scale after each row); the backend
+check (which path serves a call, and what NANOPAGED_ATTENTION may force); flash-decoding's
+split choice (num_kv_splits_for, from the GPU's multiprocessor count); random_case, the random
+batches the check and the tests run; the decode benchmark; the check (`__main__`).
 
     python kernel.py    checks the kernel against the reference over 36 shapes (CPU: interpreted,
                         float32; CUDA: compiled, bfloat16, then times decode against copy and SDPA)
 """
+import functools
 import os
 
 import torch
@@ -244,13 +249,17 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
 def quantize(x):
     """(..., head_dim) floats -> (..., head_dim + 4) int8: round(x / scale), then scale's bytes,
     scale = max |x| / 127 over the row (symmetric: 0 stays 0; -127 .. 127)."""
-    scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-30) / 127   # (..., 1)
-    values = (x.float() / scale).round().to(torch.int8)
+    x = x.float()
+    scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 127   # (..., 1)
+    values = (x / scale).round().to(torch.int8)
     return torch.cat((values, scale.view(torch.int8)), -1)
 
 def dequantize(x, dtype):
     """(..., head_dim + 4) int8 -> (..., head_dim) in dtype: values times their row's scale."""
     return (x[..., :-4] * x[..., -4:].view(torch.float32)).to(dtype)
+
+# ----------------------------------------------------------------------------------------------
+# Which path serves a call, and how many slices flash-decoding reads each context in
 
 def backend(q):   # "torch" or "triton": NANOPAGED_ATTENTION, or the tensors' device
     name = os.environ.get("NANOPAGED_ATTENTION") or ("triton" if q.is_cuda else "torch")
@@ -267,15 +276,19 @@ def num_kv_splits_for(q, k_cache, block_tables, context_lens, max_context_len=No
     head) programs are too few to fill the GPU's streaming multiprocessors and contexts are long
     (at least ~1k tokens per slice)."""
     max_context_len = max_context_len or int(context_lens.max())
-    if not q.is_cuda or max_context_len < 2048:
+    programs = len(block_tables) * k_cache.shape[2]   # (sequence, KV head) pairs
+    # (the GPU is asked last: only for a long context, the one case where splitting can pay)
+    if not q.is_cuda or max_context_len < 2048 or programs >= num_sms(q.device):
         return 1
-    programs = len(block_tables) * k_cache.shape[2]
-    # streaming multiprocessors: how many programs the GPU runs at once (asked only
-    # for a long context, the one case where splitting can pay)
-    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    if programs >= num_sms:
-        return 1
-    return min(16, max_context_len // 1024, (2 * num_sms) // programs)
+    return min(16, max_context_len // 1024, (2 * num_sms(q.device)) // programs)
+
+@functools.cache   # asked every layer of a long-context step: the driver only once per device
+def num_sms(device):
+    """The GPU's streaming multiprocessors: how many programs it runs at once."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+# ----------------------------------------------------------------------------------------------
+# Random cases: a pool and a batch, for the check below, the benchmark and the tests
 
 def random_case(seed=0, block_size=4, num_kv_heads=2, group=3, head_dim=16,
                 ctx_q=((13, 1), (7, 7), (20, 5), (1, 1)), dtype=torch.float32, device="cpu"):
