@@ -204,17 +204,17 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, quer
     quantized = k_cache.dtype == torch.int8   # kv_cache_dtype="int8": the float32 scale of each
     k_scale, v_scale = (c.view(torch.float32)[..., head_dim // 4] if quantized else c   # row,
                         for c in (k_cache, v_cache))   # after its values (the kernel: a pointer)
-    partial, lse = out, out.new_empty(1, 1, 1, dtype=torch.float32)   # one split: into out, no lse
-    if num_kv_splits > 1:   # (splits, num_tokens, heads, head_dim) and (splits, num_tokens, heads)
-        partial = q.new_empty(num_kv_splits, *q.shape, dtype=torch.float32)
-        lse = q.new_empty(num_kv_splits, num_tokens, num_heads, dtype=torch.float32)
+    # flash-decoding's partials, (splits, num_tokens, heads, head_dim) float32, and their
+    # log-sum-exps, (splits, num_tokens, heads); one split writes into out and leaves lse unread
+    lse = q.new_empty(num_kv_splits, num_tokens, num_heads, dtype=torch.float32)
+    partial = out if num_kv_splits == 1 else lse.new_empty(*lse.shape, head_dim)
     paged_attention_kernel[grid](
         partial, lse, q, k_cache, v_cache, k_scale, v_scale,
         block_tables, context_lens, query_start_loc, scale,
         q.stride(0), q.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        partial.stride(-3), partial.stride(-2), partial.stride(0) if num_kv_splits > 1 else 0,
-        lse.stride(1), lse.stride(0),
+        # (one split: partial is out, whose stride per split the kernel never reads)
+        partial.stride(-3), partial.stride(-2), partial.stride(0), lse.stride(1), lse.stride(0),
         NUM_SPLITS=num_kv_splits, QUANTIZED=quantized, GROUP=group, GROUP_PADDED=group_padded,
         BLOCK_M=block_m, BLOCK_N=64 if head_dim <= 64 else 32, BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim))
