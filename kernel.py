@@ -70,9 +70,9 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_s
         q_pos = (ctx - lens)[:, None] + j                       # (seqs, max_q)
         mask = torch.arange(max_ctx, device=q.device) <= q_pos[..., None]   # (seqs, max_q, ctx)
         # 3. grouped-query attention as the kernel does it: the query heads that share a K/V
-        #    head are more rows of one attention over that head's K and V
-        qg = q.index_select(0, rows.flatten()).view(n, max_q, num_kv_heads, group, head_dim)
-        qg = qg.transpose(1, 2)                                 # (seqs, kv_heads, q, group, dim)
+        #    head are more rows of one attention over that head's K and V.
+        #    qg: (seqs, kv_heads, q, group, dim)
+        qg = q[rows].view(n, max_q, num_kv_heads, group, head_dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(qg.flatten(2, 3), k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=mask.repeat_interleave(group, 1)[:, None],
                                            scale=scale)         # (seqs, kv_heads, q * group, dim)
