@@ -156,7 +156,8 @@ def paged_attention_kernel(
         pos = n + tl.arange(0, BLOCK_N)
         pos_ok = pos < kv_hi
         block_ptrs = block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE
-        block = tl.load(block_ptrs, mask=pos_ok, other=0)
+        # (int64: a pool's offsets pass 2**31 elements, as the benchmark's largest, 17 GB, does)
+        block = tl.load(block_ptrs, mask=pos_ok, other=0).to(tl.int64)
         slot = block[:, None] * stride_kb + (pos % BLOCK_SIZE)[:, None] * stride_kt
         kv_offs = slot + kv_head * stride_kh + d[None, :]
         kv_mask = pos_ok[:, None] & (d[None, :] < HEAD_DIM)
