@@ -15,7 +15,7 @@ from statistics import fmean as mean
 
 import torch
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 import nanopaged
@@ -24,13 +24,11 @@ from nanopaged import LLM, SamplingParams
 
 console = Console(highlight=False)
 results = {}   # experiment -> its figures, for --json
-MAX_LEN = 256 + 128   # the most tokens a mixed-workload sample holds: pools sized to hold them all
 
 def report(name, title, columns, rows, conclusion):
     """Print an experiment's table and conclusion; keep its figures for --json."""
-    t = Table(title=f"{name}: {title}", title_justify="left")
-    for i, c in enumerate(columns):
-        t.add_column(c, justify="left" if i == 0 else "right")
+    figures = [Column(c, justify="right") for c in columns[1:]]   # the first column names a row
+    t = Table(columns[0], *figures, title=f"{name}: {title}", title_justify="left")
     for row in rows:
         t.add_row(*[f"{x:.2f}" if isinstance(x, float) else str(x) for x in row])
     console.print(t, conclusion + "\n", style="bold")
@@ -128,7 +126,8 @@ def memory(args):
 
 def throughput(args):
     """The same greedy requests (eos off) through nanopaged and three transformers baselines."""
-    num_blocks = args.num_requests * MAX_LEN // 16   # room for every request at once
+    # room for every request at once: mixed_workload's prompts and outputs at their longest
+    num_blocks = args.num_requests * (256 + 128) // 16
     llm = engine(args, num_blocks=num_blocks)
     prompts, params = mixed_workload(llm, args.num_requests)
     ours, seconds, _ = run(llm, prompts, params)
@@ -179,7 +178,7 @@ def kv_dtype(args):
     identical, the mean position where the others first differ."""
     llm = engine(args, kv_cache_dtype="auto", num_blocks=1)
     text, rng = corpus(llm), random.Random(3)
-    starts = rng.sample(range(len(text) - 256), 8 if args.quick else 32)
+    starts = rng.sample(range(len(text) - 256), args.num_requests)
     prompts = [text[i:i + rng.randint(32, 256)] for i in starts]
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     need = sum(nanopaged.max_blocks_needed(llm, len(p), greedy) for p in prompts)

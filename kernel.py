@@ -11,11 +11,16 @@ Sequence i's q_len new tokens, q[qsl[i]:qsl[i+1]] (qsl = query_start_loc), are t
 context_lens[i] tokens and attend causally to all before them (q_len 1: a decode; more: a prefill
 chunk), with grouped-query attention. Read it in order, as a Triton tutorial: the K/V write; the
 PyTorch reference (the CPU path and the kernel's oracle); the Triton kernel; its launcher; dispatch,
-where the reading path ends; then flash-decoding's switch, the check and the benchmark.
+where the reading path ends. Below the banner, for a second reading: the INT8 cache
+(kv_cache_dtype="int8": quantize and dequantize, a float32 scale after each row); the backend
+check (which path serves a call, and what NANOPAGED_ATTENTION may force); flash-decoding's
+split choice (num_kv_splits_for, from the GPU's multiprocessor count); random_case, the random
+batches the check and the tests run; the decode benchmark; the check (`__main__`).
 
     python kernel.py    checks the kernel against the reference over 36 shapes (CPU: interpreted,
                         float32; CUDA: compiled, bfloat16, then times decode against copy and SDPA)
 """
+import functools
 import os
 
 import torch
@@ -65,9 +70,9 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_s
         q_pos = (ctx - lens)[:, None] + j                       # (seqs, max_q)
         mask = torch.arange(max_ctx, device=q.device) <= q_pos[..., None]   # (seqs, max_q, ctx)
         # 3. grouped-query attention as the kernel does it: the query heads that share a K/V
-        #    head are more rows of one attention over that head's K and V
-        qg = q.index_select(0, rows.flatten()).view(n, max_q, num_kv_heads, group, head_dim)
-        qg = qg.transpose(1, 2)                                 # (seqs, kv_heads, q, group, dim)
+        #    head are more rows of one attention over that head's K and V.
+        #    qg: (seqs, kv_heads, q, group, dim)
+        qg = q[rows].view(n, max_q, num_kv_heads, group, head_dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(qg.flatten(2, 3), k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=mask.repeat_interleave(group, 1)[:, None],
                                            scale=scale)         # (seqs, kv_heads, q * group, dim)
@@ -151,7 +156,8 @@ def paged_attention_kernel(
         pos = n + tl.arange(0, BLOCK_N)
         pos_ok = pos < kv_hi
         block_ptrs = block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE
-        block = tl.load(block_ptrs, mask=pos_ok, other=0)
+        # (int64: a pool's offsets pass 2**31 elements, as the benchmark's largest, 17 GB, does)
+        block = tl.load(block_ptrs, mask=pos_ok, other=0).to(tl.int64)
         slot = block[:, None] * stride_kb + (pos % BLOCK_SIZE)[:, None] * stride_kt
         kv_offs = slot + kv_head * stride_kh + d[None, :]
         kv_mask = pos_ok[:, None] & (d[None, :] < HEAD_DIM)
@@ -199,17 +205,17 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, quer
     quantized = k_cache.dtype == torch.int8   # kv_cache_dtype="int8": the float32 scale of each
     k_scale, v_scale = (c.view(torch.float32)[..., head_dim // 4] if quantized else c   # row,
                         for c in (k_cache, v_cache))   # after its values (the kernel: a pointer)
-    partial, lse = out, out.new_empty(1, 1, 1, dtype=torch.float32)   # one split: into out, no lse
-    if num_kv_splits > 1:   # (splits, num_tokens, heads, head_dim) and (splits, num_tokens, heads)
-        partial = q.new_empty(num_kv_splits, *q.shape, dtype=torch.float32)
-        lse = q.new_empty(num_kv_splits, num_tokens, num_heads, dtype=torch.float32)
+    # flash-decoding's partials, (splits, num_tokens, heads, head_dim) float32, and their
+    # log-sum-exps, (splits, num_tokens, heads); one split writes into out and leaves lse unread
+    lse = q.new_empty(num_kv_splits, num_tokens, num_heads, dtype=torch.float32)
+    partial = out if num_kv_splits == 1 else lse.new_empty(*lse.shape, head_dim)
     paged_attention_kernel[grid](
         partial, lse, q, k_cache, v_cache, k_scale, v_scale,
         block_tables, context_lens, query_start_loc, scale,
         q.stride(0), q.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        partial.stride(-3), partial.stride(-2), partial.stride(0) if num_kv_splits > 1 else 0,
-        lse.stride(1), lse.stride(0),
+        # (one split: partial is out, whose stride per split the kernel never reads)
+        partial.stride(-3), partial.stride(-2), partial.stride(0), lse.stride(1), lse.stride(0),
         NUM_SPLITS=num_kv_splits, QUANTIZED=quantized, GROUP=group, GROUP_PADDED=group_padded,
         BLOCK_M=block_m, BLOCK_N=64 if head_dim <= 64 else 32, BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim))
@@ -244,13 +250,17 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
 def quantize(x):
     """(..., head_dim) floats -> (..., head_dim + 4) int8: round(x / scale), then scale's bytes,
     scale = max |x| / 127 over the row (symmetric: 0 stays 0; -127 .. 127)."""
-    scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-30) / 127   # (..., 1)
-    values = (x.float() / scale).round().to(torch.int8)
+    x = x.float()
+    scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 127   # (..., 1)
+    values = (x / scale).round().to(torch.int8)
     return torch.cat((values, scale.view(torch.int8)), -1)
 
 def dequantize(x, dtype):
     """(..., head_dim + 4) int8 -> (..., head_dim) in dtype: values times their row's scale."""
     return (x[..., :-4] * x[..., -4:].view(torch.float32)).to(dtype)
+
+# ----------------------------------------------------------------------------------------------
+# Which path serves a call, and how many slices flash-decoding reads each context in
 
 def backend(q):   # "torch" or "triton": NANOPAGED_ATTENTION, or the tensors' device
     name = os.environ.get("NANOPAGED_ATTENTION") or ("triton" if q.is_cuda else "torch")
@@ -267,68 +277,75 @@ def num_kv_splits_for(q, k_cache, block_tables, context_lens, max_context_len=No
     head) programs are too few to fill the GPU's streaming multiprocessors and contexts are long
     (at least ~1k tokens per slice)."""
     max_context_len = max_context_len or int(context_lens.max())
-    if not q.is_cuda or max_context_len < 2048:
+    programs = len(block_tables) * k_cache.shape[2]   # (sequence, KV head) pairs
+    # (the GPU is asked last: only for a long context, the one case where splitting can pay)
+    if not q.is_cuda or max_context_len < 2048 or programs >= num_sms(q.device):
         return 1
-    programs = len(block_tables) * k_cache.shape[2]
-    # streaming multiprocessors: how many programs the GPU runs at once (asked only
-    # for a long context, the one case where splitting can pay)
-    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    if programs >= num_sms:
-        return 1
-    return min(16, max_context_len // 1024, (2 * num_sms) // programs)
+    return min(16, max_context_len // 1024, (2 * num_sms(q.device)) // programs)
+
+@functools.cache   # asked every layer of a long-context step: the driver only once per device
+def num_sms(device):
+    """The GPU's streaming multiprocessors: how many programs it runs at once."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+# ----------------------------------------------------------------------------------------------
+# Random cases: a pool and a batch, for the check below, the benchmark and the tests
 
 def random_case(seed=0, block_size=4, num_kv_heads=2, group=3, head_dim=16,
                 ctx_q=((13, 1), (7, 7), (20, 5), (1, 1)), dtype=torch.float32, device="cpu"):
     """A random pool and a batch mixing decodes and prefill chunks, ctx_q: (context_len, new tokens)
     per sequence. Distinct blocks per sequence, shuffled, so that a wrong table lookup shows."""
-    g, num_seqs = torch.Generator().manual_seed(seed), len(ctx_q)
+    # made on the device, in its dtype: the benchmark's largest pool is 17 GB of bfloat16
+    g, num_seqs = torch.Generator(device).manual_seed(seed), len(ctx_q)
+    floats = dict(generator=g, dtype=dtype, device=device)
     max_blocks = max((c + block_size - 1) // block_size for c, _ in ctx_q)
     # (num_blocks, block_size, kv_heads, head_dim), 3 blocks more than the tables use
     shape = (num_seqs * max_blocks + 3, block_size, num_kv_heads, head_dim)
-    k_cache, v_cache = torch.randn(2, *shape, generator=g)
-    block_tables = torch.randperm(shape[0], generator=g)[:-3].view(num_seqs, max_blocks).int()
-    qsl = torch.tensor([0] + [n for _, n in ctx_q]).cumsum(0).int()    # (num_seqs + 1,)
-    q = torch.randn(int(qsl[-1]), num_kv_heads * group, head_dim, generator=g)   # (T, heads, dim)
-    context_lens = torch.tensor([c for c, _ in ctx_q], dtype=torch.int32)      # (num_seqs,)
-    return (*(x.to(device, dtype) for x in (q, k_cache, v_cache)),
-            *(x.to(device) for x in (block_tables, context_lens, qsl)), head_dim ** -0.5)
+    k_cache, v_cache = torch.randn(2, *shape, **floats)
+    block_tables = torch.randperm(shape[0], generator=g, device=device)[:-3]
+    block_tables = block_tables.view(num_seqs, max_blocks).int()              # (num_seqs, blocks)
+    qsl = torch.tensor([0] + [n for _, n in ctx_q], device=device).cumsum(0).int()   # (seqs + 1,)
+    q = torch.randn(int(qsl[-1]), num_kv_heads * group, head_dim, **floats)   # (T, heads, dim)
+    context_lens = torch.tensor([c for c, _ in ctx_q], dtype=torch.int32, device=device)
+    return q, k_cache, v_cache, block_tables, context_lens, qsl, head_dim ** -0.5
 
 # ----------------------------------------------------------------------------------------------
 # Benchmark (CUDA): decode against the bytes it must read, and against contiguous attention
 
 def bench_decode(batches=(1, 8, 64, 256), contexts=(512, 1024, 2048, 4096, 8192, 16384)):
-    """Decode reads its K/V once: bytes / time is its bandwidth, set against a device copy's."""
+    """Decode reads its K/V once: bytes / time is its bandwidth, set against a device copy's.
+    Returns {(batch, context): (that share of copy bandwidth, time over SDPA's)}."""
     from triton.testing import do_bench
-    num_heads, num_kv_heads, head_dim, block_size = 32, 8, 128, 16
-    bf16 = dict(dtype=torch.bfloat16, device="cuda")
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     copy_gbps = 2 * x.numel() / do_bench(lambda: x.clone()) / 1e6   # read + write: GB/s
     del x
-    rows = []
+    shares = {}
     print(f"device copy bandwidth (measured): {copy_gbps:.0f} GB/s")
     print("batch context splits       ms  MB read    GB/s of copy  sdpa ms / sdpa")
     for batch, ctx in [(b, c) for b in batches for c in contexts]:
-        # (num_blocks, block_size, kv_heads, head_dim) each; each sequence's blocks shuffled
-        k_cache, v_cache = torch.randn(2, batch * ctx // block_size, block_size, num_kv_heads,
-                                       head_dim, **bf16)
-        block_tables = torch.randperm(len(k_cache), device="cuda").view(batch, -1).int()
-        q = torch.randn(batch, num_heads, head_dim, **bf16)    # one new token each
-        context_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-        qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+        # one new token each of batch sequences: 32 query heads on 8 KV heads of 128, blocks of
+        # 16 tokens, each sequence's shuffled (random_case: decodes only)
+        case = random_case(0, 16, 8, 4, 128, ((ctx, 1),) * batch, torch.bfloat16, "cuda")
+        q, k_cache, v_cache, block_tables, context_lens, _, scale = case
         splits = num_kv_splits_for(q, k_cache, block_tables, context_lens, ctx)
-        args = (q, k_cache, v_cache, block_tables, context_lens, qsl, head_dim ** -0.5)
-        ms = do_bench(lambda: paged_attention_triton(*args, max_query_len=1, num_kv_splits=splits))
-        nbytes = (2 * batch * ctx * num_kv_heads * head_dim + 2 * q.numel()) * q.element_size()
+        ms = do_bench(lambda: paged_attention_triton(*case, max_query_len=1, num_kv_splits=splits))
+        # K and V of every context token (kv_heads * head_dim each), q read and out written
+        nbytes = (2 * batch * ctx * k_cache[0, 0].numel() + 2 * q.numel()) * q.element_size()
         # the same K/V, contiguous per sequence: (batch, kv_heads, ctx, head_dim)
         k, v = (c[block_tables.long()].flatten(1, 2).transpose(1, 2).contiguous()
                 for c in (k_cache, v_cache))
         sdpa_ms = do_bench(lambda: F.scaled_dot_product_attention(q[:, :, None], k, v,
-                                                                  scale=args[-1], enable_gqa=True))
-        rows.append((batch, ctx, splits, ms, nbytes, nbytes / ms / 1e6, sdpa_ms))
-        print(f"{batch:5} {ctx:7} {splits:6} {ms:8.3f} {nbytes / 1e6:8.1f} {rows[-1][5]:7.0f} "
-              f"{rows[-1][5] / copy_gbps:7.0%} {sdpa_ms:8.3f} {ms / sdpa_ms:6.2f}")
-        del k_cache, v_cache, k, v
-    return rows, copy_gbps
+                                                                  scale=scale, enable_gqa=True))
+        gbps = nbytes / ms / 1e6
+        shares[batch, ctx] = (gbps / copy_gbps, ms / sdpa_ms)
+        print(f"{batch:5} {ctx:7} {splits:6} {ms:8.3f} {nbytes / 1e6:8.1f} {gbps:7.0f} "
+              f"{gbps / copy_gbps:7.0%} {sdpa_ms:8.3f} {ms / sdpa_ms:6.2f}")
+        del case, k_cache, v_cache, k, v   # freed before the next, larger pool is made
+    return shares
+
+# ----------------------------------------------------------------------------------------------
+# The check (`python kernel.py`): the kernel against the reference on 36 shapes; on CUDA, then
+# the benchmark
 
 if __name__ == "__main__":
     cuda = torch.cuda.is_available()
@@ -350,7 +367,6 @@ if __name__ == "__main__":
     assert worst < tol, f"the Triton kernel disagrees with the reference: {worst:.2e}"
     print(f"all match (worst relative error {worst:.1e})")
     if cuda:
-        rows, copy_gbps = bench_decode()
-        b64 = [r for r in rows if r[0] == 64 and r[1] == 4096][0]
-        print(f"batch 64, context 4096: {b64[5] / copy_gbps:.0%} of copy bandwidth (target 70%), "
-              f"{b64[3] / b64[6]:.2f} x sdpa time (target at most 1.3)")
+        share, vs_sdpa = bench_decode()[64, 4096]
+        print(f"batch 64, context 4096: {share:.0%} of copy bandwidth (target 70%), "
+              f"{vs_sdpa:.2f} x sdpa time (target at most 1.3)")

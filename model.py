@@ -191,8 +191,8 @@ def load_hf(name=None, seed=0):
         raise ValueError(f"model {name!r} is not a directory; use None/'smollm2', a local "
                          "directory or 'random:<preset>'")
     tokenizer = AutoTokenizer.from_pretrained(path, **extra)
+    # (a model we cannot run exactly stops in load_model, at config_from_hf)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra).eval()
-    config_from_hf(hf.config)   # a model we cannot run exactly stops here
     return hf, tokenizer
 
 def config_from_hf(c) -> ModelConfig:
