@@ -263,30 +263,27 @@ class BlockManager:
             seq.block_hashes.append(self.compute_hash(parent_hash, self._tokens(seq, j)))
         return seq.block_hashes[i]
 
-    def _lookup(self, tiers, h, tokens, parent_prefix_id):
-        """[(tier, block)] registered as the prefix (h, tokens) after prefix parent_prefix_id: a
-        hash may collide, but a parent's prefix id and a block's own tokens name one prefix."""
+    def _lookup(self, tiers, h, tokens, parent):
+        """[(tier, block)] registered as the prefix (h, tokens) after the prefix whose prefix_id is
+        parent: a hash may collide, but a parent's prefix id and a block's own tokens name one."""
         found = [(t, t.blocks[b]) for t in tiers for b in t.hash_to_block_ids.get(h, ())]
-        return [(t, b) for t, b in found if (b.token_ids, b.parent_prefix_id) == (tokens,
-                                                                                  parent_prefix_id)]
+        return [(t, b) for t, b in found if (b.token_ids, b.parent_prefix_id) == (tokens, parent)]
 
     def _cache_hits(self, seq):
         """[(tier, block)] holding seq's prefix, found by one walk along its hash chain, each where
         it is (below the device: if loading beats recomputing). A prefix_id is never reused."""
         hits = []
-        prefix_id = None   # the prefix matched so far (None: nothing yet)
         tiers = [t for t in self.tiers if self._worth_loading(t)]
-        # the last token is always computed (its logits are needed): its block cannot hit
-        num_hittable = (len(seq) - 1) // self.block_size if self.enable_prefix_caching else 0
-        for i in range(num_hittable):
-            same = self._lookup(tiers, self._block_hash(seq, i), self._tokens(seq, i), prefix_id)
+        # the last token is always computed (its logits are needed): its block cannot hit. (With
+        # prefix caching off nothing is registered: the first look-up misses.)
+        for i in range((len(seq) - 1) // self.block_size):
+            parent = hits[-1][1].prefix_id if hits else None   # the prefix matched so far
+            same = self._lookup(tiers, self._block_hash(seq, i), self._tokens(seq, i), parent)
             # below the device, a swapped request's blocks are its own until it comes back
             same = [(t, b) for t, b in same if t is self.device or not b.ref_count]
             if not same:
                 break   # a chain: after the first miss no later block can be this prefix's
-            hit = max(same, key=lambda tb: tb[1].ref_count > 0)   # held: it costs no free block
-            hits.append(hit)
-            prefix_id = hit[1].prefix_id
+            hits.append(max(same, key=lambda tb: tb[1].ref_count > 0))   # held: costs no free block
         return hits
 
     def _worth_loading(self, tier):   # the cost rule (section 8); the device always is
