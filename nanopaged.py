@@ -338,8 +338,8 @@ class BlockManager:
         return block.block_id
 
     def _hold(self, pool, block):
-        if block.ref_count == 0:   # a cached block comes back to life (a block just taken is
-            pool.cached_block_ids.pop(block.block_id, None)   # in no list)
+        # a cached block comes back to life (a held one, or one just taken, is in no list)
+        pool.cached_block_ids.pop(block.block_id, None)
         block.ref_count += 1
 
     def _release(self, pool, block):
