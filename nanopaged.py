@@ -358,9 +358,8 @@ class BlockManager:
         are copied up, its place in the prefix cache goes with them."""
         block_id = self._allocate_block(self.device)   # (evicting first, if it must)
         self.copies.append((pool, block.block_id, self.device, block_id))
-        why = f" ({self.cost.load_figures(pool)})" if self.cost else ""
         self.events.record("load", [seq.seq_id], [block.block_id], pool, [block_id], self.device,
-                           why=why)
+                           why=f" ({self.cost.load_figures(pool)})" if self.cost else "")
         self._register(self.device, self.device.blocks[block_id], block.entry)
         self._unregister(pool, block)
         self._release(pool, block)   # free: it no longer holds a prefix
