@@ -371,9 +371,15 @@ class BlockManager:
     def _num_blocks_for(self, num_tokens):
         return (num_tokens + self.block_size - 1) // self.block_size
 
-    def _take_blocks_for_all_tokens(self, seq):
-        for _ in range(self._num_blocks_for(len(seq)) - len(seq.block_table)):
+    def _set_table(self, seq, shared):
+        """seq's block table: the blocks it shares (a prefix hit's, a fork's: held already), then
+        new device blocks for the rest of its tokens; the shared blocks' tokens count as computed
+        (due from the leader, for a recomputed sample). seq now lives in the device pool."""
+        seq.num_computed_tokens = min(len(seq), len(shared) * self.block_size)
+        seq.block_table = list(shared)
+        for _ in range(self._num_blocks_for(len(seq)) - len(shared)):
             seq.block_table.append(self._allocate_block(self.device))
+        self.device.seqs[seq.seq_id] = seq
 
     def num_shared(self, leader, seq):
         """Blocks seq can share with leader, its sibling: the leading blocks that hold the same
@@ -397,18 +403,15 @@ class BlockManager:
         for pool, block in hits:   # held first: no block taken below can evict one of them
             self._hold(pool, block)
             block.hits += 1
-        seq.block_table = [b.block_id if pool is self.device else self._load(pool, b, seq)
-                           for pool, b in hits]
-        self._take_blocks_for_all_tokens(seq)
-        seq.num_cached_tokens = len(hits) * self.block_size
-        seq.num_computed_tokens = seq.num_cached_tokens
+        self._set_table(seq, [b.block_id if pool is self.device else self._load(pool, b, seq)
+                              for pool, b in hits])
+        seq.num_cached_tokens = seq.num_computed_tokens   # (a hit ends before the last token)
         if hits:
             self.events.record("prefix hit", [seq.seq_id], seq.block_table[:len(hits)],
                                num_tokens=seq.num_cached_tokens)
         if self.enable_prefix_caching:
             self.counts["prefix_cache_queries"] += len(seq)
             self.counts["prefix_cache_hits"] += seq.num_cached_tokens
-        self.device.seqs[seq.seq_id] = seq
 
     def _needs_new_block(self, seq):
         # the next step writes the K/V of seq's last token; its block may not exist yet
@@ -444,12 +447,8 @@ class BlockManager:
         shared = parent.block_table[:num_blocks]
         for block_id in shared:
             self._hold(self.device, self.device.blocks[block_id])
-        child.block_table = list(shared)
-        self._take_blocks_for_all_tokens(child)
+        self._set_table(child, shared)
         child.block_hashes = parent.block_hashes[:len(shared)]
-        # its computed tokens are the shared blocks' (due from the leader, for a recomputed one)
-        child.num_computed_tokens = min(len(child), len(shared) * self.block_size)
-        self.device.seqs[child.seq_id] = child
         self.events.record("fork", [child.seq_id], shared, parent=parent.seq_id)
 
     def free(self, seq, coming_back=False):
