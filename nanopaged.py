@@ -808,8 +808,8 @@ class LLM:
         check_engine_args(**{k: v for k, v in locals().items() if k != "self"})
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         cuda = self.device.type == "cuda"
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        self.dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
+        # dtype: a name (FLOATS, section 5), torch's dtype, or None: the device's usual one
+        self.dtype = FLOATS.get(dtype, dtype) or (torch.bfloat16 if cuda else torch.float32)
         self.model, self.tokenizer, eos_token_ids = load_model(model, self.device, self.dtype, seed)
         cfg = self.model.config
         self.max_model_len = max_model_len or cfg.max_position_embeddings
