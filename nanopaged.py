@@ -958,11 +958,8 @@ class LLM:
             else:
                 samples = [seq.index] if request.past_first_token else range(request.params.n)
                 sampled[seq] = [sample(row, request, i) for i in samples]
-        # 5. metrics, then the scheduler advances the sequences
-        for _, seq, num_new in batch.entries:   # prefill: the positions before prefill_until
-            start = seq.num_computed_tokens
-            end = min(start + num_new, seq.prefill_until)
-            self.num_prefill_tokens_computed += max(0, end - start)
+        # 5. metrics (the prefill tokens computed are counted in _prepare), then the scheduler
+        #    advances the sequences
         self.num_generated_tokens += sum(len(t) for t in sampled.values())
         self.scheduler.postprocess(batch, sampled)
         # 6. beam search (section 10): a round once every live beam of a request has log-probs
@@ -985,13 +982,16 @@ class LLM:
         return batch
 
     def _prepare(self, batch):
-        """ScheduledBatch -> (model.Batch, to_sample: [(request, seq)]). Shapes: see model.Batch."""
+        """ScheduledBatch -> (model.Batch, to_sample: [(request, seq)]). Shapes: see model.Batch.
+        It counts the step's prefill tokens too (the metric num_prefill_tokens_computed)."""
         block_size = self.block_manager.block_size
         input_ids, positions, slot_mapping, logits_indices, to_sample = [], [], [], [], []
         query_start_loc, context_lens = [0], []
         for request, seq, num_new in batch.entries:
             start = seq.num_computed_tokens   # this step computes positions start .. end - 1
             end = start + num_new
+            # prefill: the positions before prefill_until
+            self.num_prefill_tokens_computed += max(0, min(end, seq.prefill_until) - start)
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
             slot_mapping += [seq.block_table[p // block_size] * block_size + p % block_size
