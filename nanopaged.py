@@ -827,7 +827,7 @@ class LLM:
         low_dtype = torch.int8 if offload_kv_cache_dtype == "int8" else kv_dtype
         low_block = block[:-1] + (kv_row(cfg.head_dim, low_dtype),)
         # the pools against this machine's memory, max_model_len against the model's (section 5)
-        check_loaded_model(self, max_model_len, num_blocks, num_cpu_blocks, bytes_per_block,
+        check_loaded_model(self, num_blocks, num_cpu_blocks, bytes_per_block,
                            math.prod(low_block) * low_dtype.itemsize)
         # (2, num_layers, num_blocks, block_size, kv_heads, head_dim): K and V of every block
         shape = block[:2] + (num_blocks,) + block[2:]
@@ -1127,8 +1127,7 @@ def check_engine_args(device, disk_path, **args):
             "priority_aging_steps ages priorities: give scheduling_policy='priority' with it")
 
 
-def check_loaded_model(llm, max_model_len, num_blocks, num_cpu_blocks, bytes_per_block,
-                       host_bytes_per_block):
+def check_loaded_model(llm, num_blocks, num_cpu_blocks, bytes_per_block, host_bytes_per_block):
     """What can only be checked once the model is known: its length, its block size in bytes."""
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -1143,8 +1142,8 @@ def check_loaded_model(llm, max_model_len, num_blocks, num_cpu_blocks, bytes_per
     require(num_blocks * bytes_per_block <= free, f"num_blocks {num_blocks} of {bytes_per_block} "
             f"bytes exceed the {free / 2**30:.1f} GiB free on {llm.device}")
     longest = llm.model.config.max_position_embeddings
-    require(llm.max_model_len <= longest,
-            f"max_model_len {max_model_len} exceeds the model's {longest}")
+    require(llm.max_model_len <= longest,   # (None took the model's: only one given can fail)
+            f"max_model_len {llm.max_model_len} exceeds the model's {longest}")
 
 def tokenize(llm, prompt):
     if isinstance(prompt, str):
