@@ -447,8 +447,7 @@ class BlockManager:
         shared = parent.block_table[:num_blocks]
         for block_id in shared:
             self._hold(self.device, self.device.blocks[block_id])
-        self._set_table(child, shared)
-        child.block_hashes = parent.block_hashes[:len(shared)]
+        self._set_table(child, shared)   # (its hash chain: computed as asked for, _block_hash)
         self.events.record("fork", [child.seq_id], shared, parent=parent.seq_id)
 
     def free(self, seq, coming_back=False):
