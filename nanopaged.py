@@ -263,30 +263,27 @@ class BlockManager:
             seq.block_hashes.append(self.compute_hash(parent_hash, self._tokens(seq, j)))
         return seq.block_hashes[i]
 
-    def _lookup(self, tiers, h, tokens, parent_prefix_id):
-        """[(tier, block)] registered as the prefix (h, tokens) after prefix parent_prefix_id: a
-        hash may collide, but a parent's prefix id and a block's own tokens name one prefix."""
+    def _lookup(self, tiers, h, tokens, parent):
+        """[(tier, block)] registered as the prefix (h, tokens) after the prefix whose prefix_id is
+        parent: a hash may collide, but a parent's prefix id and a block's own tokens name one."""
         found = [(t, t.blocks[b]) for t in tiers for b in t.hash_to_block_ids.get(h, ())]
-        return [(t, b) for t, b in found if (b.token_ids, b.parent_prefix_id) == (tokens,
-                                                                                  parent_prefix_id)]
+        return [(t, b) for t, b in found if (b.token_ids, b.parent_prefix_id) == (tokens, parent)]
 
     def _cache_hits(self, seq):
         """[(tier, block)] holding seq's prefix, found by one walk along its hash chain, each where
         it is (below the device: if loading beats recomputing). A prefix_id is never reused."""
         hits = []
-        prefix_id = None   # the prefix matched so far (None: nothing yet)
         tiers = [t for t in self.tiers if self._worth_loading(t)]
-        # the last token is always computed (its logits are needed): its block cannot hit
-        num_hittable = (len(seq) - 1) // self.block_size if self.enable_prefix_caching else 0
-        for i in range(num_hittable):
-            same = self._lookup(tiers, self._block_hash(seq, i), self._tokens(seq, i), prefix_id)
+        # the last token is always computed (its logits are needed): its block cannot hit. (With
+        # prefix caching off nothing is registered: the first look-up misses.)
+        for i in range((len(seq) - 1) // self.block_size):
+            parent = hits[-1][1].prefix_id if hits else None   # the prefix matched so far
+            same = self._lookup(tiers, self._block_hash(seq, i), self._tokens(seq, i), parent)
             # below the device, a swapped request's blocks are its own until it comes back
             same = [(t, b) for t, b in same if t is self.device or not b.ref_count]
             if not same:
                 break   # a chain: after the first miss no later block can be this prefix's
-            hit = max(same, key=lambda tb: tb[1].ref_count > 0)   # held: it costs no free block
-            hits.append(hit)
-            prefix_id = hit[1].prefix_id
+            hits.append(max(same, key=lambda tb: tb[1].ref_count > 0))   # held: costs no free block
         return hits
 
     def _worth_loading(self, tier):   # the cost rule (section 8); the device always is
@@ -341,8 +338,8 @@ class BlockManager:
         return block.block_id
 
     def _hold(self, pool, block):
-        if block.ref_count == 0:   # a cached block comes back to life (a block just taken is
-            pool.cached_block_ids.pop(block.block_id, None)   # in no list)
+        # a cached block comes back to life (a held one, or one just taken, is in no list)
+        pool.cached_block_ids.pop(block.block_id, None)
         block.ref_count += 1
 
     def _release(self, pool, block):
@@ -361,9 +358,8 @@ class BlockManager:
         are copied up, its place in the prefix cache goes with them."""
         block_id = self._allocate_block(self.device)   # (evicting first, if it must)
         self.copies.append((pool, block.block_id, self.device, block_id))
-        why = f" ({self.cost.load_figures(pool)})" if self.cost else ""
         self.events.record("load", [seq.seq_id], [block.block_id], pool, [block_id], self.device,
-                           why=why)
+                           why=f" ({self.cost.load_figures(pool)})" if self.cost else "")
         self._register(self.device, self.device.blocks[block_id], block.entry)
         self._unregister(pool, block)
         self._release(pool, block)   # free: it no longer holds a prefix
@@ -375,9 +371,15 @@ class BlockManager:
     def _num_blocks_for(self, num_tokens):
         return (num_tokens + self.block_size - 1) // self.block_size
 
-    def _take_blocks_for_all_tokens(self, seq):
-        for _ in range(self._num_blocks_for(len(seq)) - len(seq.block_table)):
+    def _set_table(self, seq, shared):
+        """seq's block table: the blocks it shares (a prefix hit's, a fork's: held already), then
+        new device blocks for the rest of its tokens; the shared blocks' tokens count as computed
+        (due from the leader, for a recomputed sample). seq now lives in the device pool."""
+        seq.num_computed_tokens = min(len(seq), len(shared) * self.block_size)
+        seq.block_table = list(shared)
+        for _ in range(self._num_blocks_for(len(seq)) - len(shared)):
             seq.block_table.append(self._allocate_block(self.device))
+        self.device.seqs[seq.seq_id] = seq
 
     def num_shared(self, leader, seq):
         """Blocks seq can share with leader, its sibling: the leading blocks that hold the same
@@ -401,18 +403,15 @@ class BlockManager:
         for pool, block in hits:   # held first: no block taken below can evict one of them
             self._hold(pool, block)
             block.hits += 1
-        seq.block_table = [b.block_id if pool is self.device else self._load(pool, b, seq)
-                           for pool, b in hits]
-        self._take_blocks_for_all_tokens(seq)
-        seq.num_cached_tokens = len(hits) * self.block_size
-        seq.num_computed_tokens = seq.num_cached_tokens
+        self._set_table(seq, [b.block_id if pool is self.device else self._load(pool, b, seq)
+                              for pool, b in hits])
+        seq.num_cached_tokens = seq.num_computed_tokens   # (a hit ends before the last token)
         if hits:
             self.events.record("prefix hit", [seq.seq_id], seq.block_table[:len(hits)],
                                num_tokens=seq.num_cached_tokens)
         if self.enable_prefix_caching:
             self.counts["prefix_cache_queries"] += len(seq)
             self.counts["prefix_cache_hits"] += seq.num_cached_tokens
-        self.device.seqs[seq.seq_id] = seq
 
     def _needs_new_block(self, seq):
         # the next step writes the K/V of seq's last token; its block may not exist yet
@@ -448,12 +447,7 @@ class BlockManager:
         shared = parent.block_table[:num_blocks]
         for block_id in shared:
             self._hold(self.device, self.device.blocks[block_id])
-        child.block_table = list(shared)
-        self._take_blocks_for_all_tokens(child)
-        child.block_hashes = parent.block_hashes[:len(shared)]
-        # its computed tokens are the shared blocks' (due from the leader, for a recomputed one)
-        child.num_computed_tokens = min(len(child), len(shared) * self.block_size)
-        self.device.seqs[child.seq_id] = child
+        self._set_table(child, shared)   # (its hash chain: computed as asked for, _block_hash)
         self.events.record("fork", [child.seq_id], shared, parent=parent.seq_id)
 
     def free(self, seq, coming_back=False):
@@ -813,8 +807,8 @@ class LLM:
         check_engine_args(**{k: v for k, v in locals().items() if k != "self"})
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         cuda = self.device.type == "cuda"
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        self.dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
+        # dtype: a name (FLOATS, section 5), torch's dtype, or None: the device's usual one
+        self.dtype = FLOATS.get(dtype, dtype) or (torch.bfloat16 if cuda else torch.float32)
         self.model, self.tokenizer, eos_token_ids = load_model(model, self.device, self.dtype, seed)
         cfg = self.model.config
         self.max_model_len = max_model_len or cfg.max_position_embeddings
@@ -832,7 +826,7 @@ class LLM:
         low_dtype = torch.int8 if offload_kv_cache_dtype == "int8" else kv_dtype
         low_block = block[:-1] + (kv_row(cfg.head_dim, low_dtype),)
         # the pools against this machine's memory, max_model_len against the model's (section 5)
-        check_loaded_model(self, max_model_len, num_blocks, num_cpu_blocks, bytes_per_block,
+        check_loaded_model(self, num_blocks, num_cpu_blocks, bytes_per_block,
                            math.prod(low_block) * low_dtype.itemsize)
         # (2, num_layers, num_blocks, block_size, kv_heads, head_dim): K and V of every block
         shape = block[:2] + (num_blocks,) + block[2:]
@@ -963,11 +957,8 @@ class LLM:
             else:
                 samples = [seq.index] if request.past_first_token else range(request.params.n)
                 sampled[seq] = [sample(row, request, i) for i in samples]
-        # 5. metrics, then the scheduler advances the sequences
-        for _, seq, num_new in batch.entries:   # prefill: the positions before prefill_until
-            start = seq.num_computed_tokens
-            end = min(start + num_new, seq.prefill_until)
-            self.num_prefill_tokens_computed += max(0, end - start)
+        # 5. metrics (the prefill tokens computed are counted in _prepare), then the scheduler
+        #    advances the sequences
         self.num_generated_tokens += sum(len(t) for t in sampled.values())
         self.scheduler.postprocess(batch, sampled)
         # 6. beam search (section 10): a round once every live beam of a request has log-probs
@@ -990,13 +981,16 @@ class LLM:
         return batch
 
     def _prepare(self, batch):
-        """ScheduledBatch -> (model.Batch, to_sample: [(request, seq)]). Shapes: see model.Batch."""
+        """ScheduledBatch -> (model.Batch, to_sample: [(request, seq)]). Shapes: see model.Batch.
+        It counts the step's prefill tokens too (the metric num_prefill_tokens_computed)."""
         block_size = self.block_manager.block_size
         input_ids, positions, slot_mapping, logits_indices, to_sample = [], [], [], [], []
         query_start_loc, context_lens = [0], []
         for request, seq, num_new in batch.entries:
             start = seq.num_computed_tokens   # this step computes positions start .. end - 1
             end = start + num_new
+            # prefill: the positions before prefill_until
+            self.num_prefill_tokens_computed += max(0, min(end, seq.prefill_until) - start)
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
             slot_mapping += [seq.block_table[p // block_size] * block_size + p % block_size
@@ -1132,8 +1126,7 @@ def check_engine_args(device, disk_path, **args):
             "priority_aging_steps ages priorities: give scheduling_policy='priority' with it")
 
 
-def check_loaded_model(llm, max_model_len, num_blocks, num_cpu_blocks, bytes_per_block,
-                       host_bytes_per_block):
+def check_loaded_model(llm, num_blocks, num_cpu_blocks, bytes_per_block, host_bytes_per_block):
     """What can only be checked once the model is known: its length, its block size in bytes."""
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -1148,8 +1141,8 @@ def check_loaded_model(llm, max_model_len, num_blocks, num_cpu_blocks, bytes_per
     require(num_blocks * bytes_per_block <= free, f"num_blocks {num_blocks} of {bytes_per_block} "
             f"bytes exceed the {free / 2**30:.1f} GiB free on {llm.device}")
     longest = llm.model.config.max_position_embeddings
-    require(llm.max_model_len <= longest,
-            f"max_model_len {max_model_len} exceeds the model's {longest}")
+    require(llm.max_model_len <= longest,   # (None took the model's: only one given can fail)
+            f"max_model_len {llm.max_model_len} exceeds the model's {longest}")
 
 def tokenize(llm, prompt):
     if isinstance(prompt, str):
