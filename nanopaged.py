@@ -2046,7 +2046,7 @@ DEMOS = {   # name: what it shows
     "watermark": "a request that would fit waits: it would leave no block for the next decode",
     "tiers": "two questions come back: their blocks, written down to host and disk, load back up",
     "overlap": "the tiers demo over slow links, copies in the background: others run meanwhile",
-    "priority": "a long request of priority 1 among short ones of 0: it waits, then aging lets it in",
+    "priority": "a long request of priority 1, short ones of 0: it waits, aging lets it in",
 }
 # each demo's pool, of 4-token blocks: small enough for a screen to show every block
 DEMO_POOLS = {"mix": dict(num_blocks=24, num_cpu_blocks=12, preemption_mode="swap"),

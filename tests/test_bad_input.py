@@ -116,8 +116,8 @@ def test_a_bad_command_line_is_one_line_and_exit_status_2(argv):
 def test_every_demo_pool_fits_its_requests_at_any_block_size(name, block_size):
     """A demo's pool is counted in tokens: at block size 1 or 2 its requests still fit."""
     llm = LLM("random:tiny", block_size=block_size, **demo_pool(name, block_size))
-    for _, prompts, params in demo_arrivals(name, llm):
-        assert checked_requests(llm, prompts, params, type(params))
+    for _, prompts, params, *priority in demo_arrivals(name, llm):   # (priority: its demo)
+        assert checked_requests(llm, prompts, params, type(params), *priority)
 
 
 def test_the_view_escapes_control_characters():
