@@ -75,6 +75,15 @@ def run(llm, prompts, params):
     llm.on_step.remove(watch)   # watch refers to llm: left in, the engine would never be freed
     return outs, seconds, seen
 
+def stream(llm, prompts, params, **kwargs):
+    """One request every other step (at once if the engine is idle), to the end: their ids."""
+    request_ids, waiting = [], list(prompts)
+    while waiting or llm.scheduler.has_unfinished():
+        if waiting and (llm.num_steps % 2 == 0 or not llm.scheduler.has_unfinished()):
+            request_ids += llm.add_requests([waiting.pop(0)], params, **kwargs)
+        llm.step()
+    return request_ids
+
 @torch.inference_mode()
 def hf_generate(hf, prompts, params, size):
     """transformers' generate on static batches of size: left-padded, each to its longest output."""
@@ -155,12 +164,8 @@ def prefix(args):
                   num_blocks=args.num_requests * 27)   # 412 + 16 tokens: 27 blocks, room for all
         text = corpus(llm)
         prompts = [text[:400] + text[1000 + 37 * i:1012 + 37 * i] for i in range(args.num_requests)]
-        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-        request_ids, waiting = [], list(prompts)
-        while waiting or llm.scheduler.has_unfinished():
-            if waiting and (llm.num_steps % 2 == 0 or not llm.scheduler.has_unfinished()):
-                request_ids += llm.add_requests([waiting.pop(0)], params)
-            llm.step()
+        request_ids = stream(llm, prompts, SamplingParams(temperature=0, max_tokens=16,
+                                                          ignore_eos=True))
         s = llm.stats()
         rows.append((f"caching {'on' if caching else 'off'}", s["num_prefill_tokens_computed"],
                      s["prefix_cache_hit_rate"], mean(llm.output(r).ttft for r in request_ids)))
@@ -292,11 +297,7 @@ def priority(args):
         level = int(bool(policy))   # the batch requests' priority (fcfs: all 0)
         t0 = time.perf_counter()
         batch = llm.add_requests(prompts[:num_batch], params[0], priority=[level] * num_batch)
-        interactive, queue = [], prompts[num_batch:]
-        while queue or llm.scheduler.has_unfinished():
-            if queue and (llm.num_steps % 2 == 0 or not llm.scheduler.has_unfinished()):
-                interactive += llm.add_requests([queue.pop(0)], params[1], priority=[0])
-            llm.step()
+        interactive = stream(llm, prompts[num_batch:], params[1], priority=[0])
         seconds = time.perf_counter() - t0
         outs = [llm.output(r) for r in batch + interactive]
         ttft = sorted(o.ttft for o in outs[num_batch:])
