@@ -1903,29 +1903,25 @@ class View:
         time.sleep(self.delay * (1 + len(report.events)))
 
     def frame(self, report, height=None):
-        """The engine after a step, in rows that fit the width. With a height (a live terminal)
-        the step's events take the rows left: those that fit, then a count of the rest."""
+        """The engine after a step, in rows that fit the width: the pools, the sequences, then the
+        step's events. With a height (a live terminal) the rows past it are cut, the last row
+        left saying how many: the events go first, then the sequences, never the pools."""
         width = self.console.width
         top = self.metrics(report, width) + self.batch(report.batch, width)
         top += self.pools(width, max(3, (height - 14) * 2 // 3) if height else None)
-        story = [wrapped(f"{e.step:>5}  {e.words()}", width, indent=7) for e in report.events]
-        if height is None:
-            return Group(*top, *self.sequences(width), *itertools.chain(*story))
-        room = height - len(top)   # for the sequences (a header, rows, a count) and the events
-        if width < MIN_VIEW_WIDTH or room < 4:   # what fits: a note saying what the view needs
-            note = (f"step {report.step}: {len(story)} events. The terminal ({width}x{height}) is"
-                    f" too small for the view: it needs {MIN_VIEW_WIDTH} columns and "
+        rows = top + self.sequences(width)
+        for e in report.events:   # a wrapped event continues 7 columns in
+            rows += wrapped(f"{e.step:>5}  {e.words()}", width, indent=7)
+        if height is None:   # a trace: every row
+            return Group(*rows)
+        if width < MIN_VIEW_WIDTH or height - len(top) < 4:   # a note saying what the view needs
+            note = (f"step {report.step}: {len(report.events)} events. The terminal ({width}x"
+                    f"{height}) is too small for the view: it needs {MIN_VIEW_WIDTH} columns and "
                     f"{len(top) + 4} rows")
             return Group(*wrapped(note, width, indent=0)[:height])
-        seqs = self.sequences(width, max(1, room - 3 - min(sum(map(len, story)), room // 2)))
-        rows = room - len(seqs)   # at least 1: the events, or their count
-        shown = []
-        for i, event_rows in enumerate(story):
-            if len(shown) + len(event_rows) + (i < len(story) - 1) > rows:
-                shown.append(Text(f"  ... and {len(story) - i} more events in step {report.step}"))
-                break
-            shown += event_rows
-        return Group(*top, *seqs, *shown)
+        if len(rows) > height:   # the rows from the last one on: a count of them
+            rows[height - 1:] = [Text(f"  ... and {len(rows) - height + 1} more rows", "dim")]
+        return Group(*rows)
 
     def metrics(self, report, width):   # the pool's fill, then what the memory system did so far
         s, bm = report.stats, self.llm.block_manager
@@ -2007,15 +2003,14 @@ class View:
             key += folds + ["█ all used, ▒ some used, · some cached, . all free"]
         return lines + phrases(key, width, "dim")
 
-    def sequences(self, width, max_rows=None):   # a row per live sequence: K/V, table, text
+    def sequences(self, width):   # a row per live sequence: K/V, table, text
         bm, sched = self.llm.block_manager, self.llm.scheduler
         rows = [(r, s) for r in [*sched.running, *sched.swapped, *sched.waiting] for s in r.seqs]
         # under scheduling_policy="priority", each request's priority: effective (as given)
         ranked = isinstance(sched, PriorityScheduler)
         header = f"{'seq':>5} {'req':>4}{'  priority' * ranked}  {'state':<8} {'K':>4}/{'V':<4}  "
         lines = [Text(f"{header}{'block table':<26} text", "bold")]
-        shown = rows[:max_rows]   # None: all
-        for request, seq in shown:
+        for request, seq in rows:
             pool = bm.host if request.status is RequestStatus.SWAPPED else bm.device
             where = "" if pool is bm.device else pool.name   # a table into the host: host[...]
             table = where + table_text(pool.blocks, seq.block_table, 26 - len(where))
@@ -2031,8 +2026,6 @@ class View:
             tail = seq.token_ids[-room:] if room else []
             line.append(printable(self.llm._detokenize(tail) or " ".join(map(str, tail)))[-room:])
             lines.append(line)
-        if len(rows) > len(shown):
-            lines.append(Text(f"  ... and {len(rows) - len(shown)} more sequences", "dim"))
         return lines
 
 # ----------------------------------------------------------------------------------------------
@@ -2053,7 +2046,7 @@ DEMOS = {   # name: what it shows
     "watermark": "a request that would fit waits: it would leave no block for the next decode",
     "tiers": "two questions come back: their blocks, written down to host and disk, load back up",
     "overlap": "the tiers demo over slow links, copies in the background: others run meanwhile",
-    "priority": "a long request of priority 1 among short ones of 0: it waits, then aging lets it in",
+    "priority": "a long request of priority 1 among short ones of 0: it waits, aging lets it in",
 }
 # each demo's pool, of 4-token blocks: small enough for a screen to show every block
 DEMO_POOLS = {"mix": dict(num_blocks=24, num_cpu_blocks=12, preemption_mode="swap"),
