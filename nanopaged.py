@@ -1874,30 +1874,31 @@ class View:
     screen (the last frame stays), else a trace. `with View(llm): llm.generate(...)`."""
 
     def __init__(self, llm, live=True, console=None, delay=0.0):
-        self.llm, self.live = llm, live
+        # delay: seconds to pause after a step, and as many per event it shows
+        self.llm, self.delay = llm, delay
         # a trace is plain text of a fixed width, so that runs with the same seed print the same
         self.console = console or (Console(highlight=False) if live else
                                    Console(highlight=False, color_system=None, width=80))
-        self.delay = delay          # seconds to pause after a step, and as many per event it shows
-        self.rich_live = None   # while live: rich's Live, which keeps the frame it shows
+        # live: rich's Live, which keeps the frame it shows, on the terminal's own screen (what was
+        # printed before, loading, stays off it), started on entering; a trace: None
+        self.live = Live(console=self.console, auto_refresh=False, screen=True) if live else None
 
     def __enter__(self):
         self.llm.on_step.append(self)
-        if self.live:   # the terminal's own screen: what was printed before (loading) stays off it
-            self.rich_live = Live(console=self.console, auto_refresh=False, screen=True)
-            self.rich_live.start()
+        if self.live is not None:
+            self.live.start()
         return self
 
     def __exit__(self, *exc):
         self.llm.on_step.remove(self)
-        if self.rich_live is not None:
-            self.rich_live.stop()   # the terminal is the user's again, after Ctrl-C too
-            self.console.print(self.rich_live.get_renderable())   # the last frame stays
+        if self.live is not None:
+            self.live.stop()   # the terminal is the user's again, after Ctrl-C too
+            self.console.print(self.live.get_renderable())   # the last frame stays
 
     def __call__(self, report):
-        if self.rich_live is not None:
-            self.rich_live.update(self.frame(report, self.console.height), refresh=True)
-        elif not self.live:
+        if self.live is not None:
+            self.live.update(self.frame(report, self.console.height), refresh=True)
+        else:
             self.console.rule(f"step {report.step}", characters="-")
             self.console.print(self.frame(report))
         time.sleep(self.delay * (1 + len(report.events)))
