@@ -2150,25 +2150,22 @@ if __name__ == "__main__":
     p.add_argument("--offload-kv-cache-dtype", choices=["auto", "int8"], help="host's, disk's")
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], help="default: fcfs")
     p.add_argument("--priority-aging-steps", type=int, help="a level better every K steps waited")
-    p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    p.add_argument("--no-prefix-caching", action="store_false", dest="enable_prefix_caching",
+                   help="turn the prefix cache off")
     p.add_argument("--max-num-batched-tokens", type=int, help="tokens a step computes at most")
     p.add_argument("--watermark-blocks", type=int,
                    help="blocks a new prompt leaves free for decodes (default: 1%% of the pool)")
     args = p.parse_args()
-    if not 0 <= args.delay <= MAX_DELAY:   # nan too
-        p.error(f"argument --delay: must be seconds in [0, {MAX_DELAY}], got {args.delay}")
-    if args.delay and not (args.live or args.trace):
-        p.error("--delay pauses the view: give --live or --trace with it")
-    if args.watermark_blocks is not None and args.watermark_blocks < 0:
-        p.error(f"argument --watermark-blocks: must be >= 0, got {args.watermark_blocks}")
-    kwargs = dict(demo_pool(args.demo, args.block_size), block_size=args.block_size,
-                  enable_prefix_caching=not args.no_prefix_caching)
-    optional = ("num_blocks", "num_cpu_blocks", "num_disk_blocks", "disk_path", "preemption_mode",
-                "max_num_batched_tokens", "kv_cache_dtype", "offload_kv_cache_dtype",
-                "scheduling_policy", "priority_aging_steps")
-    kwargs.update({k: getattr(args, k) for k in optional if getattr(args, k) is not None})
-    try:
-        llm = LLM(args.model, device=args.device, **kwargs)
+    # the flags the command line keeps; every other one given goes to LLM by its name (the dest
+    # argparse gives it), over the demo's pool
+    own = ("demo", "live", "trace", "delay", "watermark_blocks")
+    given = {k: v for k, v in vars(args).items() if k not in own and v is not None}
+    kwargs = dict(demo_pool(args.demo, args.block_size), **given)
+    try:   # bad input, ours as the engine's: a ValueError, told in one line before anything runs
+        require(0 <= args.delay <= MAX_DELAY, f"--delay must be in [0, {MAX_DELAY}] seconds")
+        require(args.live or args.trace or not args.delay, "--delay needs --live or --trace")
+        require((args.watermark_blocks or 0) >= 0, "--watermark-blocks must be >= 0")   # or None
+        llm = LLM(**kwargs)
         if args.watermark_blocks is not None:   # (Scheduler's watermark: a fraction of the pool)
             llm.scheduler.watermark_blocks = args.watermark_blocks
         seconds = run_demo(llm, args.demo, args.live, args.trace, args.delay)
