@@ -1855,11 +1855,11 @@ HOLDER_COLOURS = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_c
 def table_text(pool, block_table, width):
     """A block table in width columns: runs of ids as first-last (*: shared), its middle as (+k)."""
     shared = lambda b: "*" if pool[b].ref_count > 1 else ""
-    parts = []   # (text, blocks) of each run of consecutive ids, all shared or none
-    for _, run in itertools.groupby(enumerate(block_table), lambda p: (p[1] - p[0], shared(p[1]))):
-        ids = [b for _, b in run]
-        mark = shared(ids[0])   # the event log's runs ('0-2', '4, 5'), each id marked, no commas
-        parts.append((_ids(ids).replace(", ", f"{mark} ") + mark, len(ids)))
+    # each run of consecutive ids (b - i the same), all shared or none: (its mark, its ids)
+    runs = [(mark, [b for _, b in run]) for (_, mark), run in itertools.groupby(
+        enumerate(block_table), lambda p: (p[1] - p[0], shared(p[1])))]
+    # (text, blocks) of each: the event log's runs ('0-2', '4, 5'), each id marked, no commas
+    parts = [(_ids(ids).replace(", ", f"{mark} ") + mark, len(ids)) for mark, ids in runs]
     for keep in range(len(parts), -1, -1):   # the first and last parts, as many as fit
         head, tail = parts[:(keep + 1) // 2], parts[len(parts) - keep // 2:]
         hidden = len(block_table) - sum(n for _, n in head + tail)
@@ -1913,14 +1913,13 @@ class View:
         rows = top + self.sequences(width)
         for e in report.events:   # a wrapped event continues 7 columns in
             rows += wrapped(f"{e.step:>5}  {e.words()}", width, indent=7)
-        if height is None:   # a trace: every row
-            return Group(*rows)
-        if width < MIN_VIEW_WIDTH or height - len(top) < 4:   # a note saying what the view needs
+        too_small = height is not None and (width < MIN_VIEW_WIDTH or height - len(top) < 4)
+        if too_small:   # a note saying what the view needs
             note = (f"step {report.step}: {len(report.events)} events. The terminal ({width}x"
                     f"{height}) is too small for the view: it needs {MIN_VIEW_WIDTH} columns and "
                     f"{len(top) + 4} rows")
             return Group(*wrapped(note, width, indent=0)[:height])
-        if len(rows) > height:   # the rows from the last one on: a count of them
+        if height is not None and len(rows) > height:   # the last row and those below: a count
             rows[height - 1:] = [Text(f"  ... and {len(rows) - height + 1} more rows", "dim")]
         return Group(*rows)
 
@@ -1941,8 +1940,8 @@ class View:
             host, disk = (s[f"{t}_prefix_cache_hits"] // bm.block_size for t in ("host", "disk"))
             second += [f"written down {s['num_offloaded_blocks']}",
                        f"loaded {s['num_loaded_blocks']} blocks (host {host}, disk {disk})"]
-        return phrases(["KV cache: " + kv[0], *kv[1:]], width) + phrases(first, width) + \
-            phrases(second, width)
+        kv[0] = "KV cache: " + kv[0]   # (the device's)
+        return [row for items in (kv, first, second) for row in phrases(items, width)]
 
     def batch(self, batch, width):   # prefill chunks beside decodes, and the decodes' slots
         ends = itertools.accumulate(n for _, _, n in batch.entries)   # each entry's last token
@@ -1959,16 +1958,15 @@ class View:
         slots = f"{text} into slots {', '.join(str(slot) for _, slot in decodes)}"
         return wrapped(slots if decodes and len(slots) <= width else text, width)   # if it fits
 
-    def _cells(self, blocks, seqs, per_cell, flying=()):   # a cell per per_cell blocks: see pools()
-        holders = {}   # block id -> ids of the requests whose tables hold it
-        for seq in seqs:
-            for block_id in seq.block_table:
-                holders.setdefault(block_id, set()).add(seq.request_id)
+    def _cells(self, pool, per_cell):   # a cell per per_cell blocks of a tier: see pools()
+        tables = [(set(seq.block_table), seq.request_id) for seq in pool.seqs.values()]
+        # (tier name, block id) of each block a copy not made yet reads or writes (section 8)
+        in_flight = self.llm.copy_engine.in_flight if self.llm.copy_engine else {}
         cells = Text()
-        for i in range(0, len(blocks), per_cell):
-            group = blocks[i:i + per_cell]
+        for i in range(0, len(pool.blocks), per_cell):
+            group = pool.blocks[i:i + per_cell]
             used = [b for b in group if b.ref_count]
-            if per_cell == 1 and group[0].block_id in flying:   # a copy reads or writes it
+            if per_cell == 1 and (pool.name, group[0].block_id) in in_flight:
                 cells.append("~", "bold cyan")
             elif not used:
                 cells.append("·" if any(b.hash is not None for b in group) else ".", "dim")
@@ -1976,7 +1974,8 @@ class View:
                 cells.append("█" if len(used) == len(group) else "▒", "bold")
             else:
                 b = used[0]
-                requests = holders.get(b.block_id, ())
+                # the requests whose tables hold it
+                requests = {request_id for table, request_id in tables if b.block_id in table}
                 hue = "white" if len(requests) > 1 else HOLDER_COLOURS[min(requests, default=0) % 8]
                 cells.append(str(b.ref_count) if b.ref_count < 10 else "+",
                              f"bold {hue}" if b.ref_count > 1 else hue)
@@ -1989,9 +1988,7 @@ class View:
         for pool in tiers:
             rows = max(1, max_rows // len(tiers)) if max_rows else math.inf   # None: all blocks
             per_cell = max(1, math.ceil(len(pool.blocks) / (n * rows)))
-            engine = self.llm.copy_engine
-            flying = {b for t, b in engine.in_flight if t == pool.name} if engine else ()
-            cells = self._cells(pool.blocks, pool.seqs.values(), per_cell, flying)
+            cells = self._cells(pool, per_cell)
             lines += [Text(f"{pool.name if i == 0 else '':<6}{i * per_cell:>5} ") + cells[i:i + n]
                       for i in range(0, len(cells), n)]   # each row led by its first block's id
             if per_cell > 1:
@@ -2021,8 +2018,7 @@ class View:
             # loading: its blocks in flight (section 8)
             loading = self.llm.copy_engine and self.llm.copy_engine.loading(request)
             state = "loading" if loading else request.status.value
-            line.append(f"  {state:<8} {seq.num_written_tokens:>4}/{len(seq):<4}  "
-                        f"{table:<26} ")
+            line.append(f"  {state:<8} {seq.num_written_tokens:>4}/{len(seq):<4}  {table:<26} ")
             room = max(0, width - len(line))
             tail = seq.token_ids[-room:] if room else []
             line.append(printable(self.llm._detokenize(tail) or " ".join(map(str, tail)))[-room:])
