@@ -1904,17 +1904,18 @@ class View:
         time.sleep(self.delay * (1 + len(report.events)))
 
     def frame(self, report, height=None):
-        """The engine after a step, in rows that fit the width: the pools, the sequences, then the
-        step's events. With a height (a live terminal) the rows past it are cut, the last row
-        left saying how many: the events go first, then the sequences, never the pools."""
+        """The engine after a step, in rows that fit the width: its figures, the batch, the pools,
+        the sequences, then the step's events. With a height (a live terminal) the rows past it
+        are cut, the last row left saying how many: the events go first, then the sequences;
+        what is above them always shows, or a note saying the terminal is too small."""
         width = self.console.width
         top = self.metrics(report, width) + self.batch(report.batch, width)
         top += self.pools(width, max(3, (height - 14) * 2 // 3) if height else None)
         rows = top + self.sequences(width)
         for e in report.events:   # a wrapped event continues 7 columns in
             rows += wrapped(f"{e.step:>5}  {e.words()}", width, indent=7)
-        too_small = height is not None and (width < MIN_VIEW_WIDTH or height - len(top) < 4)
-        if too_small:   # a note saying what the view needs
+        # a terminal too small: a note saying what the view needs
+        if height is not None and (width < MIN_VIEW_WIDTH or height - len(top) < 4):
             note = (f"step {report.step}: {len(report.events)} events. The terminal ({width}x"
                     f"{height}) is too small for the view: it needs {MIN_VIEW_WIDTH} columns and "
                     f"{len(top) + 4} rows")
