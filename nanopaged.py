@@ -1848,11 +1848,11 @@ HOLDER_COLOURS = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_c
 def table_text(pool, block_table, width):
     """A block table in width columns: runs of ids as first-last (*: shared), its middle as (+k)."""
     shared = lambda b: "*" if pool[b].ref_count > 1 else ""
-    parts = []   # (text, blocks) of each run of consecutive ids, all shared or none
-    for _, run in itertools.groupby(enumerate(block_table), lambda p: (p[1] - p[0], shared(p[1]))):
-        ids = [b for _, b in run]
-        mark = shared(ids[0])   # the event log's runs ('0-2', '4, 5'), each id marked, no commas
-        parts.append((_ids(ids).replace(", ", f"{mark} ") + mark, len(ids)))
+    # each run of consecutive ids (b - i the same), all shared or none: (its mark, its ids)
+    runs = [(mark, [b for _, b in run]) for (_, mark), run in itertools.groupby(
+        enumerate(block_table), lambda p: (p[1] - p[0], shared(p[1])))]
+    # (text, blocks) of each: the event log's runs ('0-2', '4, 5'), each id marked, no commas
+    parts = [(_ids(ids).replace(", ", f"{mark} ") + mark, len(ids)) for mark, ids in runs]
     for keep in range(len(parts), -1, -1):   # the first and last parts, as many as fit
         head, tail = parts[:(keep + 1) // 2], parts[len(parts) - keep // 2:]
         hidden = len(block_table) - sum(n for _, n in head + tail)
@@ -1867,58 +1867,55 @@ class View:
     screen (the last frame stays), else a trace. `with View(llm): llm.generate(...)`."""
 
     def __init__(self, llm, live=True, console=None, delay=0.0):
-        self.llm, self.live = llm, live
+        # delay: seconds to pause after a step, and as many per event it shows
+        self.llm, self.delay = llm, delay
         # a trace is plain text of a fixed width, so that runs with the same seed print the same
         self.console = console or (Console(highlight=False) if live else
                                    Console(highlight=False, color_system=None, width=80))
-        self.delay = delay          # seconds to pause after a step, and as many per event it shows
-        self.rich_live = None   # while live: rich's Live, which keeps the frame it shows
+        # live: rich's Live, which keeps the frame it shows, on the terminal's own screen (what was
+        # printed before, loading, stays off it), started on entering; a trace: None
+        self.live = Live(console=self.console, auto_refresh=False, screen=True) if live else None
 
     def __enter__(self):
         self.llm.on_step.append(self)
-        if self.live:   # the terminal's own screen: what was printed before (loading) stays off it
-            self.rich_live = Live(console=self.console, auto_refresh=False, screen=True)
-            self.rich_live.start()
+        if self.live is not None:
+            self.live.start()
         return self
 
     def __exit__(self, *exc):
         self.llm.on_step.remove(self)
-        if self.rich_live is not None:
-            self.rich_live.stop()   # the terminal is the user's again, after Ctrl-C too
-            self.console.print(self.rich_live.get_renderable())   # the last frame stays
+        if self.live is not None:
+            self.live.stop()   # the terminal is the user's again, after Ctrl-C too
+            self.console.print(self.live.get_renderable())   # the last frame stays
 
     def __call__(self, report):
-        if self.rich_live is not None:
-            self.rich_live.update(self.frame(report, self.console.height), refresh=True)
-        elif not self.live:
+        if self.live is not None:
+            self.live.update(self.frame(report, self.console.height), refresh=True)
+        else:
             self.console.rule(f"step {report.step}", characters="-")
             self.console.print(self.frame(report))
         time.sleep(self.delay * (1 + len(report.events)))
 
     def frame(self, report, height=None):
-        """The engine after a step, in rows that fit the width. With a height (a live terminal)
-        the step's events take the rows left: those that fit, then a count of the rest."""
+        """The engine after a step, in rows that fit the width: its figures, the batch, the pools,
+        the sequences, then the step's events. With a height (a live terminal) the rows past it
+        are cut, the last row left saying how many: the events go first, then the sequences;
+        what is above them always shows, or a note saying the terminal is too small."""
         width = self.console.width
         top = self.metrics(report, width) + self.batch(report.batch, width)
         top += self.pools(width, max(3, (height - 14) * 2 // 3) if height else None)
-        story = [wrapped(f"{e.step:>5}  {e.words()}", width, indent=7) for e in report.events]
-        if height is None:
-            return Group(*top, *self.sequences(width), *itertools.chain(*story))
-        room = height - len(top)   # for the sequences (a header, rows, a count) and the events
-        if width < MIN_VIEW_WIDTH or room < 4:   # what fits: a note saying what the view needs
-            note = (f"step {report.step}: {len(story)} events. The terminal ({width}x{height}) is"
-                    f" too small for the view: it needs {MIN_VIEW_WIDTH} columns and "
+        rows = top + self.sequences(width)
+        for e in report.events:   # a wrapped event continues 7 columns in
+            rows += wrapped(f"{e.step:>5}  {e.words()}", width, indent=7)
+        # a terminal too small: a note saying what the view needs
+        if height is not None and (width < MIN_VIEW_WIDTH or height - len(top) < 4):
+            note = (f"step {report.step}: {len(report.events)} events. The terminal ({width}x"
+                    f"{height}) is too small for the view: it needs {MIN_VIEW_WIDTH} columns and "
                     f"{len(top) + 4} rows")
             return Group(*wrapped(note, width, indent=0)[:height])
-        seqs = self.sequences(width, max(1, room - 3 - min(sum(map(len, story)), room // 2)))
-        rows = room - len(seqs)   # at least 1: the events, or their count
-        shown = []
-        for i, event_rows in enumerate(story):
-            if len(shown) + len(event_rows) + (i < len(story) - 1) > rows:
-                shown.append(Text(f"  ... and {len(story) - i} more events in step {report.step}"))
-                break
-            shown += event_rows
-        return Group(*top, *seqs, *shown)
+        if height is not None and len(rows) > height:   # the last row and those below: a count
+            rows[height - 1:] = [Text(f"  ... and {len(rows) - height + 1} more rows", "dim")]
+        return Group(*rows)
 
     def metrics(self, report, width):   # the pool's fill, then what the memory system did so far
         s, bm = report.stats, self.llm.block_manager
@@ -1937,8 +1934,8 @@ class View:
             host, disk = (s[f"{t}_prefix_cache_hits"] // bm.block_size for t in ("host", "disk"))
             second += [f"written down {s['num_offloaded_blocks']}",
                        f"loaded {s['num_loaded_blocks']} blocks (host {host}, disk {disk})"]
-        return phrases(["KV cache: " + kv[0], *kv[1:]], width) + phrases(first, width) + \
-            phrases(second, width)
+        kv[0] = "KV cache: " + kv[0]   # (the device's)
+        return [row for items in (kv, first, second) for row in phrases(items, width)]
 
     def batch(self, batch, width):   # prefill chunks beside decodes, and the decodes' slots
         ends = itertools.accumulate(n for _, _, n in batch.entries)   # each entry's last token
@@ -1955,16 +1952,15 @@ class View:
         slots = f"{text} into slots {', '.join(str(slot) for _, slot in decodes)}"
         return wrapped(slots if decodes and len(slots) <= width else text, width)   # if it fits
 
-    def _cells(self, blocks, seqs, per_cell, flying=()):   # a cell per per_cell blocks: see pools()
-        holders = {}   # block id -> ids of the requests whose tables hold it
-        for seq in seqs:
-            for block_id in seq.block_table:
-                holders.setdefault(block_id, set()).add(seq.request_id)
+    def _cells(self, pool, per_cell):   # a cell per per_cell blocks of a tier: see pools()
+        tables = [(set(seq.block_table), seq.request_id) for seq in pool.seqs.values()]
+        # (tier name, block id) of each block a copy not made yet reads or writes (section 8)
+        in_flight = self.llm.copy_engine.in_flight if self.llm.copy_engine else {}
         cells = Text()
-        for i in range(0, len(blocks), per_cell):
-            group = blocks[i:i + per_cell]
+        for i in range(0, len(pool.blocks), per_cell):
+            group = pool.blocks[i:i + per_cell]
             used = [b for b in group if b.ref_count]
-            if per_cell == 1 and group[0].block_id in flying:   # a copy reads or writes it
+            if per_cell == 1 and (pool.name, group[0].block_id) in in_flight:
                 cells.append("~", "bold cyan")
             elif not used:
                 cells.append("·" if any(b.hash is not None for b in group) else ".", "dim")
@@ -1972,7 +1968,8 @@ class View:
                 cells.append("█" if len(used) == len(group) else "▒", "bold")
             else:
                 b = used[0]
-                requests = holders.get(b.block_id, ())
+                # the requests whose tables hold it
+                requests = {request_id for table, request_id in tables if b.block_id in table}
                 hue = "white" if len(requests) > 1 else HOLDER_COLOURS[min(requests, default=0) % 8]
                 cells.append(str(b.ref_count) if b.ref_count < 10 else "+",
                              f"bold {hue}" if b.ref_count > 1 else hue)
@@ -1985,9 +1982,7 @@ class View:
         for pool in tiers:
             rows = max(1, max_rows // len(tiers)) if max_rows else math.inf   # None: all blocks
             per_cell = max(1, math.ceil(len(pool.blocks) / (n * rows)))
-            engine = self.llm.copy_engine
-            flying = {b for t, b in engine.in_flight if t == pool.name} if engine else ()
-            cells = self._cells(pool.blocks, pool.seqs.values(), per_cell, flying)
+            cells = self._cells(pool, per_cell)
             lines += [Text(f"{pool.name if i == 0 else '':<6}{i * per_cell:>5} ") + cells[i:i + n]
                       for i in range(0, len(cells), n)]   # each row led by its first block's id
             if per_cell > 1:
@@ -2000,15 +1995,14 @@ class View:
             key += folds + ["█ all used, ▒ some used, · some cached, . all free"]
         return lines + phrases(key, width, "dim")
 
-    def sequences(self, width, max_rows=None):   # a row per live sequence: K/V, table, text
+    def sequences(self, width):   # a row per live sequence: K/V, table, text
         bm, sched = self.llm.block_manager, self.llm.scheduler
         rows = [(r, s) for r in [*sched.running, *sched.swapped, *sched.waiting] for s in r.seqs]
         # under scheduling_policy="priority", each request's priority: effective (as given)
         ranked = isinstance(sched, PriorityScheduler)
         header = f"{'seq':>5} {'req':>4}{'  priority' * ranked}  {'state':<8} {'K':>4}/{'V':<4}  "
         lines = [Text(f"{header}{'block table':<26} text", "bold")]
-        shown = rows[:max_rows]   # None: all
-        for request, seq in shown:
+        for request, seq in rows:
             pool = bm.host if request.status is RequestStatus.SWAPPED else bm.device
             where = "" if pool is bm.device else pool.name   # a table into the host: host[...]
             table = where + table_text(pool.blocks, seq.block_table, 26 - len(where))
@@ -2018,14 +2012,11 @@ class View:
             # loading: its blocks in flight (section 8)
             loading = self.llm.copy_engine and self.llm.copy_engine.loading(request)
             state = "loading" if loading else request.status.value
-            line.append(f"  {state:<8} {seq.num_written_tokens:>4}/{len(seq):<4}  "
-                        f"{table:<26} ")
+            line.append(f"  {state:<8} {seq.num_written_tokens:>4}/{len(seq):<4}  {table:<26} ")
             room = max(0, width - len(line))
             tail = seq.token_ids[-room:] if room else []
             line.append(printable(self.llm._detokenize(tail) or " ".join(map(str, tail)))[-room:])
             lines.append(line)
-        if len(rows) > len(shown):
-            lines.append(Text(f"  ... and {len(rows) - len(shown)} more sequences", "dim"))
         return lines
 
 # ----------------------------------------------------------------------------------------------
@@ -2046,7 +2037,7 @@ DEMOS = {   # name: what it shows
     "watermark": "a request that would fit waits: it would leave no block for the next decode",
     "tiers": "two questions come back: their blocks, written down to host and disk, load back up",
     "overlap": "the tiers demo over slow links, copies in the background: others run meanwhile",
-    "priority": "a long request of priority 1, short ones of 0: it waits, aging lets it in",
+    "priority": "a long request of priority 1 among short ones of 0: it waits, aging lets it in",
 }
 # each demo's pool, of 4-token blocks: small enough for a screen to show every block
 DEMO_POOLS = {"mix": dict(num_blocks=24, num_cpu_blocks=12, preemption_mode="swap"),
@@ -2149,25 +2140,22 @@ if __name__ == "__main__":
     p.add_argument("--offload-kv-cache-dtype", choices=["auto", "int8"], help="host's, disk's")
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], help="default: fcfs")
     p.add_argument("--priority-aging-steps", type=int, help="a level better every K steps waited")
-    p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    p.add_argument("--no-prefix-caching", action="store_false", dest="enable_prefix_caching",
+                   help="turn the prefix cache off")
     p.add_argument("--max-num-batched-tokens", type=int, help="tokens a step computes at most")
     p.add_argument("--watermark-blocks", type=int,
                    help="blocks a new prompt leaves free for decodes (default: 1%% of the pool)")
     args = p.parse_args()
-    if not 0 <= args.delay <= MAX_DELAY:   # nan too
-        p.error(f"argument --delay: must be seconds in [0, {MAX_DELAY}], got {args.delay}")
-    if args.delay and not (args.live or args.trace):
-        p.error("--delay pauses the view: give --live or --trace with it")
-    if args.watermark_blocks is not None and args.watermark_blocks < 0:
-        p.error(f"argument --watermark-blocks: must be >= 0, got {args.watermark_blocks}")
-    kwargs = dict(demo_pool(args.demo, args.block_size), block_size=args.block_size,
-                  enable_prefix_caching=not args.no_prefix_caching)
-    optional = ("num_blocks", "num_cpu_blocks", "num_disk_blocks", "disk_path", "preemption_mode",
-                "max_num_batched_tokens", "kv_cache_dtype", "offload_kv_cache_dtype",
-                "scheduling_policy", "priority_aging_steps")
-    kwargs.update({k: getattr(args, k) for k in optional if getattr(args, k) is not None})
-    try:
-        llm = LLM(args.model, device=args.device, **kwargs)
+    # the flags the command line keeps; every other one given goes to LLM by its name (the dest
+    # argparse gives it), over the demo's pool
+    own = ("demo", "live", "trace", "delay", "watermark_blocks")
+    given = {k: v for k, v in vars(args).items() if k not in own and v is not None}
+    kwargs = dict(demo_pool(args.demo, args.block_size), **given)
+    try:   # bad input, ours as the engine's: a ValueError, told in one line before anything runs
+        require(0 <= args.delay <= MAX_DELAY, f"--delay must be in [0, {MAX_DELAY}] seconds")
+        require(args.live or args.trace or not args.delay, "--delay needs --live or --trace")
+        require((args.watermark_blocks or 0) >= 0, "--watermark-blocks must be >= 0")   # or None
+        llm = LLM(**kwargs)
         if args.watermark_blocks is not None:   # (Scheduler's watermark: a fraction of the pool)
             llm.scheduler.watermark_blocks = args.watermark_blocks
         seconds = run_demo(llm, args.demo, args.live, args.trace, args.delay)
