@@ -131,11 +131,12 @@ def check_frame(text, llm, report):
 
 
 def run_arrivals(llm, arrivals):
-    """Queue each (step, prompts, params) once llm has run that many steps; run to the end."""
-    for step, prompts, params in arrivals:
+    """Queue each (step, prompts, params[, priority]) once llm has run that many steps; run to
+    the end."""
+    for step, prompts, params, *priority in arrivals:
         while llm.num_steps < step and llm.scheduler.has_unfinished():
             llm.step()
-        llm.add_requests(prompts, params, type(params))
+        llm.add_requests(prompts, params, type(params), *priority)
     while llm.scheduler.has_unfinished():
         llm.step()
     for request_id in list(llm.requests):
@@ -249,6 +250,7 @@ TRACE_WORDS = {   # what each demo's trace must show: the plain words of the eve
     "tiers": ["written down to host block", "written down to disk block", "in the host tier: loaded into",
               "in the disk tier: loaded into"],
     "overlap": ["in the disk tier: loaded into", "copies made in the background", "~: in flight"],
+    "priority": ["seq  req  priority  state", "preempted by recompute", "finishes"],
 }
 
 
