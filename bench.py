@@ -75,15 +75,6 @@ def run(llm, prompts, params):
     llm.on_step.remove(watch)   # watch refers to llm: left in, the engine would never be freed
     return outs, seconds, seen
 
-def stream(llm, prompts, params, **kwargs):
-    """One request every other step (at once if the engine is idle), to the end: their ids."""
-    request_ids, waiting = [], list(prompts)
-    while waiting or llm.scheduler.has_unfinished():
-        if waiting and (llm.num_steps % 2 == 0 or not llm.scheduler.has_unfinished()):
-            request_ids += llm.add_requests([waiting.pop(0)], params, **kwargs)
-        llm.step()
-    return request_ids
-
 @torch.inference_mode()
 def hf_generate(hf, prompts, params, size):
     """transformers' generate on static batches of size: left-padded, each to its longest output."""
@@ -163,8 +154,12 @@ def prefix(args):
                   num_blocks=args.num_requests * 27)   # 412 + 16 tokens: 27 blocks, room for all
         text = corpus(llm)
         prompts = [text[:400] + text[1000 + 37 * i:1012 + 37 * i] for i in range(args.num_requests)]
-        request_ids = stream(llm, prompts, SamplingParams(temperature=0, max_tokens=16,
-                                                          ignore_eos=True))
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        request_ids, waiting = [], list(prompts)
+        while waiting or llm.scheduler.has_unfinished():
+            if waiting and (llm.num_steps % 2 == 0 or not llm.scheduler.has_unfinished()):
+                request_ids += llm.add_requests([waiting.pop(0)], params)
+            llm.step()
         s = llm.stats()
         rows.append((f"caching {'on' if caching else 'off'}", s["num_prefill_tokens_computed"],
                      s["prefix_cache_hit_rate"], mean(llm.output(r).ttft for r in request_ids)))
@@ -274,42 +269,7 @@ def multiturn(args):
            f"ahead, bring the first token {r['slow links: blocking'][3] / rows[-1][3]:.1f}x "
            f"sooner, with {rows[-1][5] / r['slow links: blocking'][5]:.1f}x the tokens/s.")
 
-def priority(args):
-    """Interactive requests (priority 0: 16-32 tokens, 8 out), one every other step, behind batch
-    requests queued at once (priority 1: 128-256 tokens, 64 out), twice as many as fit the pool,
-    which preempts: first come first served, by priority, by priority with aging. The interactive
-    ones' TTFT, the longest a batch request waited for its first token."""
-    num_batch, num_interactive = (6, 8) if args.quick else (12, 24)
-    rng = random.Random(5)
-    text = corpus(engine(args, num_blocks=1))
-    starts = rng.sample(range(len(text) - 256), num_batch + num_interactive)
-    prompts = [text[i:i + rng.randint(128, 256) if k < num_batch else i + rng.randint(16, 32)]
-               for k, i in enumerate(starts)]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (64, 8)]
-    policies = {"fcfs": {}, "priority": dict(scheduling_policy="priority"),
-                "priority, aging 4": dict(scheduling_policy="priority", priority_aging_steps=4)}
-    rows, want = [], None
-    for name, policy in policies.items():
-        llm = engine(args, num_blocks=num_batch // 2 * (256 + 64) // 16, **policy)
-        level = int(bool(policy))   # the batch requests' priority (fcfs: all 0)
-        t0 = time.perf_counter()
-        batch = llm.add_requests(prompts[:num_batch], params[0], priority=[level] * num_batch)
-        interactive = stream(llm, prompts[num_batch:], params[1], priority=[0])
-        seconds = time.perf_counter() - t0
-        outs = [llm.output(r) for r in batch + interactive]
-        ttft = sorted(o.ttft for o in outs[num_batch:])
-        tokens = [o.outputs[0].token_ids for o in outs]
-        want = want or tokens
-        rows.append((name, mean(ttft), ttft[int(0.9 * len(ttft))],
-                     max(o.ttft for o in outs[:num_batch]), llm.num_generated_tokens / seconds,
-                     mean(t == w for t, w in zip(tokens, want))))
-    report("priority", f"{num_interactive} interactive requests, {num_batch} batch requests",
-           ["policy", "ttft mean", "ttft p90", "batch: longest ttft", "tokens/s", "same tokens"],
-           rows, f"By priority the interactive requests' first token comes {rows[0][1] / rows[1][1]:.1f}x "
-           f"sooner than first come first served, {rows[0][1] / rows[2][1]:.1f}x with aging, which "
-           f"cuts the batch requests' longest wait {rows[1][3] / rows[2][3]:.1f}x.")
-
-EXPERIMENTS = {f.__name__: f for f in (memory, throughput, prefix, kv_dtype, multiturn, priority)}
+EXPERIMENTS = {f.__name__: f for f in (memory, throughput, prefix, kv_dtype, multiturn)}
 
 if __name__ == "__main__":
     p = nanopaged.ArgumentParser(description="nanopaged benchmark: the claims of paging, measured")
