@@ -212,7 +212,7 @@ def test_the_view_shows_each_requests_priority_effective_and_given():
         text[policy] = console.export_text()
     assert "priority" not in text["fcfs"] and "priority" in text["priority"]
     # request 0 (priority 1) waits behind request 1 (0): 5 steps waited, 2 levels gained: -1
-    rows = re.findall(r"^ +\d+ +(\d+) +(-?\d+) \( *(\d+)\) +(\w+)", text["priority"], re.M)
+    rows = re.findall(r"^ *\d+ +(\d+) +(-?\d+) \( *(\d+)\) +(\w+)", text["priority"], re.M)
     assert rows == [("1", "0", "0", "running"), ("0", "-1", "1", "waiting")]
 
 
