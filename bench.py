@@ -1,6 +1,6 @@
 """
-bench.py: the claims of paging, measured on this machine beside baselines, in five experiments
-(memory, throughput, prefix, kv_dtype, multiturn): a table and a conclusion.
+bench.py: the claims of paging, measured on this machine beside baselines, in six experiments
+(memory, throughput, prefix, kv_dtype, priority, multiturn): a table and a conclusion.
 
     python bench.py                    every experiment, the default model
     python bench.py --quick            smaller workloads, a few minutes (what fresh-check runs)
@@ -19,7 +19,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 
 import nanopaged
 from model import load_hf
-from nanopaged import LLM, SamplingParams
+from nanopaged import LLM, SamplingParams, run_arrivals
 
 console = Console(highlight=False)
 results = {}   # experiment -> its figures, for --json
@@ -155,11 +155,7 @@ def prefix(args):
         text = corpus(llm)
         prompts = [text[:400] + text[1000 + 37 * i:1012 + 37 * i] for i in range(args.num_requests)]
         params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-        request_ids, waiting = [], list(prompts)
-        while waiting or llm.scheduler.has_unfinished():
-            if waiting and (llm.num_steps % 2 == 0 or not llm.scheduler.has_unfinished()):
-                request_ids += llm.add_requests([waiting.pop(0)], params)
-            llm.step()
+        request_ids = run_arrivals(llm, [(2 * i, [p], params) for i, p in enumerate(prompts)])
         s = llm.stats()
         rows.append((f"caching {'on' if caching else 'off'}", s["num_prefill_tokens_computed"],
                      s["prefix_cache_hit_rate"], mean(llm.output(r).ttft for r in request_ids)))
@@ -169,11 +165,11 @@ def prefix(args):
            f"prompt tokens and the first token comes {rows[1][3] / rows[0][3]:.1f}x sooner.")
 
 def kv_dtype(args):
-    """The KV cache in the model's dtype and in INT8 (kv_cache_dtype): bytes per block, blocks in
-    the default pool; 32 prompts (--quick: 8) in the memory of a quarter of their blocks in the
-    model's dtype: requests at once, tokens/s; accuracy against the model's dtype (32 greedy
-    tokens, eos off): the first token's top-1 agreement and mean KL divergence, the outputs
-    identical, the mean position where the others first differ."""
+    """The KV cache in the model's dtype and in INT8 (kv_cache_dtype): bytes per block; 32 prompts
+    (--quick: 8) in the memory of a quarter of their blocks in the model's dtype: requests at
+    once, tokens/s; accuracy against the model's dtype (32 greedy tokens, eos off): the first
+    token's top-1 agreement and mean KL divergence, the outputs identical, the mean position where
+    the others first differ."""
     llm = engine(args, kv_cache_dtype="auto", num_blocks=1)
     text, rng = corpus(llm), random.Random(3)
     starts = rng.sample(range(len(text) - 256), args.num_requests)
@@ -183,10 +179,8 @@ def kv_dtype(args):
     memory = need // 4 * llm.links.bytes_per_block["device"]   # a quarter of the blocks, in bytes
     rows, want = [], None
     for dtype in ("auto", "int8"):
-        llm = engine(args, kv_cache_dtype=dtype)   # the default pool: how many blocks, how big
-        default_blocks = llm.block_manager.num_blocks
-        bytes_per_block = llm.links.bytes_per_block["device"]
-        llm = engine(args, kv_cache_dtype=dtype, num_blocks=memory // bytes_per_block)
+        bytes_per_block = engine(args, kv_cache_dtype=dtype, num_blocks=1).links.bytes_per_block
+        llm = engine(args, kv_cache_dtype=dtype, num_blocks=memory // bytes_per_block["device"])
         outs, seconds, seen = run(llm, prompts, [greedy] * len(prompts))
         first = []   # each prompt's first-token log-probs, as the model hands its logits on
         hook = llm.model.register_forward_hook(lambda m, a, out: first.append(out.log_softmax(-1)))
@@ -197,18 +191,53 @@ def kv_dtype(args):
         want = want or (first, outs)
         differ = [next(i for i, (a, b) in enumerate(zip(o[0], w[0])) if a != b)
                   for o, w in zip(outs, want[1]) if o != w]
-        rows.append((dtype if dtype == "int8" else str(llm.dtype)[6:], bytes_per_block,
-                     default_blocks, max(s["running_requests"] for s in seen),
+        rows.append((dtype if dtype == "int8" else str(llm.dtype)[6:],
+                     bytes_per_block["device"], max(s["running_requests"] for s in seen),
                      greedy.max_tokens * len(prompts) / seconds,   # (eos off: all of them)
                      (first.argmax(-1) == want[0].argmax(-1)).float().mean().item(),
                      f"{(want[0].exp() * (want[0] - first)).sum(-1).mean().item():.4f}",
                      mean(o == w for o, w in zip(outs, want[1])), mean(differ or [float("nan")])))
     report("kv_dtype", f"{len(prompts)} prompts, {memory / 2**20:.0f} MiB of KV cache",
-           ["kv_cache_dtype", "bytes/block", "default pool", "at once", "tokens/s", "top-1",
-            "KL", "identical", "differ at"], rows,
-           f"INT8 stores {rows[1][2] / rows[0][2]:.2f}x the blocks in the same memory, runs "
-           f"{rows[1][3] / rows[0][3]:.1f}x the requests at once at {rows[1][4] / rows[0][4]:.2f}x "
-           f"the tokens/s; {rows[1][7]:.0%} of its greedy outputs are identical.")
+           ["kv_cache_dtype", "bytes/block", "at once", "tokens/s", "top-1", "KL", "identical",
+            "differ at"], rows,
+           f"INT8 stores {rows[0][1] / rows[1][1]:.2f}x the blocks in the same memory, runs "
+           f"{rows[1][2] / rows[0][2]:.1f}x the requests at once at {rows[1][3] / rows[0][3]:.2f}x "
+           f"the tokens/s; {rows[1][6]:.0%} of its greedy outputs are identical.")
+
+def priority(args):
+    """Short interactive requests (16-32 tokens, 8 out), one every other step, among long batch
+    requests queued at once (128-256 tokens, 64 out), twice as many as the pool holds, so that it
+    preempts: first come first served; by priority (interactive 0, batch 1); and with aging. The
+    interactive requests' TTFT; the longest a batch request waited for its first token."""
+    num_batch, num_interactive = (6, 8) if args.quick else (12, 24)
+    text, rng = corpus(engine(args, num_blocks=1)), random.Random(5)
+    starts = rng.sample(range(len(text) - 256), num_batch + num_interactive)
+    prompts = [text[i:i + rng.randint(*(128, 256) if k < num_batch else (16, 32))]
+               for k, i in enumerate(starts)]
+    long, short = (SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (64, 8))
+    policies = {"fcfs": {}, "priority": dict(scheduling_policy="priority"),
+                "priority, aging 4": dict(scheduling_policy="priority", priority_aging_steps=4)}
+    rows, want = [], None
+    for name, policy in policies.items():
+        llm = engine(args, num_blocks=num_batch // 2 * (256 + 64) // 16, **policy)
+        # the batch requests at step 0 (priority 1; under fcfs all are 0), then the interactive
+        arrivals = [(0, prompts[:num_batch], long, [int(bool(policy))] * num_batch)]
+        arrivals += [(2 * i, [p], short, [0]) for i, p in enumerate(prompts[num_batch:])]
+        t0 = time.perf_counter()
+        outs = [llm.output(r) for r in run_arrivals(llm, arrivals)]
+        seconds = time.perf_counter() - t0
+        ttft = sorted(o.ttft for o in outs[num_batch:])
+        tokens = [o.outputs[0].token_ids for o in outs]
+        want = want or tokens
+        rows.append((name, mean(ttft), ttft[int(0.9 * len(ttft))],
+                     max(o.ttft for o in outs[:num_batch]), llm.num_generated_tokens / seconds,
+                     mean(t == w for t, w in zip(tokens, want))))
+    report("priority", f"{num_interactive} interactive requests among {num_batch} batch requests",
+           ["policy", "ttft mean", "ttft p90", "batch: longest ttft", "tokens/s", "same tokens"],
+           rows, f"By priority the interactive requests' first token comes "
+           f"{rows[0][1] / rows[1][1]:.1f}x sooner than first come first served ("
+           f"{rows[0][1] / rows[2][1]:.1f}x with aging, which brings the batch requests' longest "
+           f"wait from {rows[1][3]:.1f} to {rows[2][3]:.1f} s).")
 
 def multiturn(args):
     """Chats, each turn the whole history and a new 64-token message (16 tokens back), one request
@@ -269,7 +298,7 @@ def multiturn(args):
            f"ahead, bring the first token {r['slow links: blocking'][3] / rows[-1][3]:.1f}x "
            f"sooner, with {rows[-1][5] / r['slow links: blocking'][5]:.1f}x the tokens/s.")
 
-EXPERIMENTS = {f.__name__: f for f in (memory, throughput, prefix, kv_dtype, multiturn)}
+EXPERIMENTS = {f.__name__: f for f in (memory, throughput, prefix, kv_dtype, priority, multiturn)}
 
 if __name__ == "__main__":
     p = nanopaged.ArgumentParser(description="nanopaged benchmark: the claims of paging, measured")

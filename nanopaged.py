@@ -33,6 +33,7 @@ import atexit
 import bisect
 import contextlib
 import copy
+import functools
 import itertools
 import math
 import os
@@ -44,6 +45,7 @@ import tempfile
 import textwrap
 import threading
 import time
+import timeit
 import weakref
 from collections import Counter, OrderedDict, deque, namedtuple
 from dataclasses import dataclass, field
@@ -850,10 +852,10 @@ class LLM:
                                           enable_prefix_caching, self.events, num_disk_blocks,
                                           cost)
         # "priority": the lines ordered by each request's priority, aged (section 11)
-        policy = Scheduler if scheduling_policy == "fcfs" else PriorityScheduler
+        policy = Scheduler if scheduling_policy == "fcfs" else functools.partial(
+            PriorityScheduler, aging_steps=priority_aging_steps)
         self.scheduler = policy(self.block_manager, max_num_seqs, max_num_batched_tokens,
                                 eos_token_ids=eos_token_ids, preemption_mode=preemption_mode)
-        self.scheduler.aging_steps = priority_aging_steps
         self.seed = seed
         self.request_ids = itertools.count()
         self.requests = {}   # request_id -> Request, until its output is returned
@@ -1128,10 +1130,8 @@ def check_engine_args(device, disk_path, **args):
 
 def check_loaded_model(llm, num_blocks, num_cpu_blocks, bytes_per_block, host_bytes_per_block):
     """What can only be checked once the model is known: its length, its block size in bytes."""
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):   # the system does not say: no check
-        ram = math.inf
+    sysconf = getattr(os, "sysconf", lambda name: math.inf)   # (Windows has none: no check)
+    ram = sysconf("SC_PAGE_SIZE") * sysconf("SC_PHYS_PAGES")
     on_cpu = llm.device.type == "cpu"
     in_ram = num_cpu_blocks * host_bytes_per_block + on_cpu * num_blocks * bytes_per_block
     require(in_ram <= ram, f"num_blocks {num_blocks} (device) and num_cpu_blocks {num_cpu_blocks} "
@@ -1363,13 +1363,12 @@ class CostModel:
         for tier in ("host", "disk"):
             cache = llm.kv_caches[tier]
             probe = range(min(8, device.shape[2], cache.shape[2]))   # block ids
-            rounds = []
-            for _ in range(3):
-                t0 = time.perf_counter()
+
+            def round_trip():
                 for i in probe:
                     cache[:, :, i].copy_(to_dtype(device[:, :, i], cache.dtype))
                     device[:, :, i].copy_(to_dtype(cache[:, :, i], device.dtype))   # (blocking)
-                rounds.append(time.perf_counter() - t0)
+            rounds = timeit.repeat(round_trip, number=1, repeat=3)
             seconds[tier] = min(rounds) / (2 * len(probe)) if probe else math.inf
             seconds[tier] = max(seconds[tier], llm.links.seconds.get(tier, 0))   # as emulated
         return cls(block_size, seconds)
@@ -1799,17 +1798,15 @@ def beam_output(llm, request):   # the best by vLLM's score, whose length counts
 class PriorityScheduler(Scheduler):
     """A Scheduler whose lines are ranked by (effective priority, arrival): see above."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, aging_steps=0, **kwargs):   # aging_steps: priority_aging_steps
         super().__init__(*args, **kwargs)
-        self.aging_steps = 0   # LLM's priority_aging_steps
+        self.aging_steps = aging_steps
         self.num_steps_waited = Counter()   # request_id -> steps it spent waiting or swapped out
 
-    def effective_priority(self, request):
+    def rank(self, request):   # (effective priority, arrival)
         waited = self.num_steps_waited[request.request_id]
-        return request.priority - (waited // self.aging_steps if self.aging_steps else 0)
-
-    def rank(self, request):
-        return self.effective_priority(request), request.request_id
+        aged = waited // self.aging_steps if self.aging_steps else 0
+        return request.priority - aged, request.request_id
 
     def _next_in_line(self, batch):   # the better ranked of the first swapped and first waiting
         heads = self.swapped[:1]
@@ -2008,7 +2005,7 @@ class View:
             table = where + table_text(pool.blocks, seq.block_table, 26 - len(where))
             line = Text(f"{seq.seq_id:>5} {seq.request_id:>4}", HOLDER_COLOURS[seq.request_id % 8])
             if ranked:
-                line.append(f"  {sched.effective_priority(request):>3} ({request.priority:>2})")
+                line.append(f"  {sched.rank(request)[0]:>3} ({request.priority:>2})")
             # loading: its blocks in flight (section 8)
             loading = self.llm.copy_engine and self.llm.copy_engine.loading(request)
             state = "loading" if loading else request.status.value
@@ -2094,20 +2091,26 @@ def demo_pool(name, block_size):   # DEMO_POOLS counts 4-token blocks: smaller o
     pool = {k: v * scale if k.startswith("num_") else v for k, v in DEMO_POOLS[name].items()}
     return {"async_copies": False, **pool}   # blocking but in overlap: each trace repeats exactly
 
+def run_arrivals(llm, arrivals):
+    """Queue each arrival (step, prompts, params[, priority]) once the engine has run `step` steps
+    (an idle engine skips ahead to it), and step until all are done: their request ids."""
+    request_ids = []
+    for step, prompts, params, *priority in arrivals:
+        while llm.num_steps < step and llm.scheduler.has_unfinished():
+            llm.step()
+        request_ids += llm.add_requests(prompts, params, type(params), *priority)
+    while llm.scheduler.has_unfinished():
+        llm.step()
+    return request_ids
+
 def run_demo(llm, name, live=False, trace=False, delay=0.0):
     """Run a demo (every request checked first), print its outputs; return its seconds."""
     arrivals = demo_arrivals(name, llm)
     for _, prompts, params, *priority in arrivals:
         checked_requests(llm, prompts, params, type(params), *priority)
     t0 = time.perf_counter()
-    request_ids = []
     with View(llm, live, None, delay) if live or trace else contextlib.nullcontext():
-        for step, prompts, params, *priority in arrivals:
-            while llm.num_steps < step and llm.scheduler.has_unfinished():
-                llm.step()
-            request_ids += llm.add_requests(prompts, params, type(params), *priority)
-        while llm.scheduler.has_unfinished():
-            llm.step()
+        request_ids = run_arrivals(llm, arrivals)
     for out in map(llm.output, request_ids):
         beams = isinstance(out, BeamSearchOutput)
         for c in out.sequences if beams else out.outputs:
