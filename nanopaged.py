@@ -29,15 +29,14 @@ and aging, 12. the live view, 13. the command line and its demos.
     python nanopaged.py --help           the demos and the knobs (block size, pools, preemption)
 """
 import argparse
-import atexit
 import bisect
+import concurrent.futures
 import contextlib
 import copy
 import functools
 import itertools
 import math
 import os
-import queue
 import shutil
 import signal
 import sys
@@ -1427,110 +1426,95 @@ class Links:
         self.busy_seconds += time.perf_counter() - t0
 
 class CopyEngine:
-    """async_copies=True: the copies between tiers are made on a worker thread (torch's copies
-    let go of the GIL; on CUDA on a side stream, after an event of the step that queued them),
-    while the steps compute. A request sits steps out (loading) while a copy still writes one of
-    its blocks, or reads one it may write (not a write-ahead's read of a full block: the step
-    only reads it too); copy-on-write is made at once, on the step's path; a step whose every
-    request is loading waits for the first. Copies are made in the order queued; a step that
-    finds the link idle queues write-aheads (write_ahead): later evictions find copies below."""
+    """async_copies=True: the copies between tiers are made on one worker thread (a
+    ThreadPoolExecutor of one: in the order queued; torch's copies let go of the GIL; on CUDA on
+    a side stream, after an event of the step that queued them), while the steps compute. Each
+    queued copy is a Future: done once made. A request sits steps out (loading) while a copy still
+    writes one of its blocks, or reads one it may write (not a write-ahead's read of a full block:
+    the step only reads it too); copy-on-write is made at once, on the step's path; a step whose
+    every request is loading waits for the first. A step that finds the link idle queues
+    write-aheads (write_ahead): later evictions find copies below."""
 
     def __init__(self, llm):
-        self.queue = queue.SimpleQueue()   # (ticket, copy, ready event), made in order; None: stop
-        self.tickets = itertools.count(1)  # each queued copy's number
-        self.unmade = set()    # the tickets queued and not yet made (nor failed)
-        self.in_flight = {}    # (tier name, block id) -> the last ticket that reads or writes it
-                               # (the view's ~: those in flight at the step's start)
-        self.started = {}      # ticket -> copy, queued, until the trace tells it made
+        self.worker = concurrent.futures.ThreadPoolExecutor(1)
+        # its thread starts now, with one OpenMP thread of its own (no team to spin on the cores)
+        self.worker.submit(torch.set_num_threads, 1)
+        self.in_flight = {}    # (tier name, block id) -> the last copy's Future that reads or
+                               # writes it (the view's ~: those in flight at the step's start)
+        self.started = {}      # Future -> copy, queued, until the trace tells it made
         self.through = weakref.WeakKeyDictionary()   # seq -> (its table, blocks written through)
         self.failed = None     # the exception, once a copy raised (no copy is made after it)
-        self.done = threading.Condition()
         self.stream = torch.cuda.Stream(llm.device) if llm.device.type == "cuda" else None
         self.copy_wait_seconds = 0.0   # the steps' time waiting for a copy
-        self.thread = threading.Thread(target=self.work, args=(llm.links,), daemon=True)
-        self.thread.start()
-        weakref.finalize(llm, self.queue.put, None)   # the worker ends with the engine,
-        atexit.register(self.stop)   # or at exit, its copy in progress made (never cut mid-copy)
+        # the worker ends with the engine, its queued copies made (at exit too: Python waits)
+        weakref.finalize(llm, self.worker.shutdown, wait=False)
 
-    def stop(self):
-        self.queue.put(None)
-        self.thread.join()
-
-    def work(self, links):   # the worker thread
-        torch.set_num_threads(1)   # (this thread's): no OpenMP team of its own to spin on the cores
-        for ticket, copy, ready in iter(self.queue.get, None):   # None: stop (left unmade)
-            try:
-                with torch.cuda.stream(self.stream):   # (None: no stream, on a CPU)
-                    if ready is not None:
-                        self.stream.wait_event(ready)   # the K/V the steps before wrote
-                    if self.failed is None and copy is not None:   # after a failure: none
-                        links.copy(*copy)
-            except BaseException as e:   # (the main thread raises it at its next step)
-                self.failed = e
-            with self.done:
-                self.unmade.discard(ticket)
-                self.done.notify_all()
+    def make(self, links, copy, ready):   # on the worker thread
+        try:
+            with torch.cuda.stream(self.stream):   # (None: no stream, on a CPU)
+                if ready is not None:
+                    self.stream.wait_event(ready)   # the K/V the steps before wrote
+                if self.failed is None:   # after a failure: none
+                    links.copy(*copy)
+        except BaseException as e:   # (the main thread raises it at its next step)
+            self.failed = e
 
     def start(self, llm, batch):
         """Queue the step's copies, then return batch without the requests still loading."""
         copies, events = llm.block_manager.copies, llm.events
-        if WRITE_AHEAD and not self.unmade and not copies:   # the link idle: write ahead
-            write_ahead(llm.block_manager, self.through)
+        if WRITE_AHEAD and all(f.done() for f in self.started) and not copies:   # link idle:
+            write_ahead(llm.block_manager, self.through)   # write ahead
         while copies:
             src_tier, src, dst_tier, dst = copies[0]
             keys = [(src_tier.name, src), (dst_tier.name, dst)]
             if src_tier is dst_tier:   # copy-on-write: after what is in flight on its blocks
-                self.wait({self.in_flight.get(key, 0) for key in keys} & self.unmade)
+                self.wait({self.in_flight[key] for key in keys if key in self.in_flight})
                 llm.links.copy(*copies[0])
             else:   # (a Ctrl-C anywhere here: the undo's flush waits for whatever was queued)
-                ticket = next(self.tickets)   # (on CUDA after the K/V written so far: an event)
                 ready = torch.cuda.current_stream().record_event() if self.stream else None
-                self.unmade.add(ticket)
-                self.in_flight.update(dict.fromkeys(keys, ticket))
-                self.queue.put((ticket, copies[0], ready))
-                self.started[ticket] = copies[0]
+                future = self.worker.submit(self.make, llm.links, copies[0], ready)
+                self.in_flight.update(dict.fromkeys(keys, future))
+                self.started[future] = copies[0]
             copies.popleft()
         waits = {e.request: self.loading(e.request) for e in batch.entries}
         if waits and all(waits.values()):   # nobody can run: until the first of them can
             self.wait(*waits.values())
-        unmade = set(self.unmade)   # one moment for what has arrived and who still waits
-        if self.failed is not None:   # a copy raised (set before it left unmade): the step too
+        unmade = {f for f in self.started if not f.done()}   # one moment for what has arrived
+        if self.failed is not None:   # a copy raised (set before its Future is done): the step too
             raise RuntimeError(f"a block copy failed: {self.failed!r}") from self.failed
-        made = [self.started.pop(t) for t in list(self.started) if t not in unmade]
-        self.in_flight = {key: t for key, t in self.in_flight.items() if t in unmade}
+        made = [self.started.pop(f) for f in list(self.started) if f not in unmade]
+        self.in_flight = {key: f for key, f in self.in_flight.items() if f in unmade}
         if made:
             arrived = _ids([dst for _, _, dst_tier, dst in made if dst_tier.name == "device"])
             events.record("copies made", num_copies=len(made),
                           arrived=f" (device blocks {arrived} arrived)" if arrived else "")
-        for request, tickets in waits.items():
-            if tickets & unmade:
+        for request, futures in waits.items():
+            if futures & unmade:
                 batch.remove(request)
                 events.record("loading", [s.seq_id for s in request.seqs])
         return batch
 
-    def loading(self, request):   # the copies its device blocks still wait for (empty: none):
+    def loading(self, request):   # the copies (Futures) its device blocks still wait for:
         mine = {("device", b) for s in request.seqs for b in s.block_table}
         # those that write one, or read one evicted (unregistered: the step may write it); not a
         # write-ahead's, which reads a registered block: K/V that never change, the step's too
-        return {t for t, (src, i, dst, j) in self.started.items() if t in self.unmade and
+        return {f for f, (src, i, dst, j) in self.started.items() if not f.done() and
                 ((dst.name, j) in mine or (src.name, i) in mine and src.blocks[i].hash is None)}
 
-    def wait(self, *tickets):   # until one of the sets of tickets is all made: the step waits
+    def wait(self, *futures):   # until one of the sets of Futures is all done: the step waits
         t0 = time.perf_counter()
-        with self.done:
-            self.done.wait_for(lambda: any(not t & self.unmade for t in tickets))
+        while not any(all(f.done() for f in fs) for fs in futures):
+            pending = {f for fs in futures for f in fs if not f.done()}
+            concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
         self.copy_wait_seconds += time.perf_counter() - t0
 
     def finish(self):   # (Undo) every copy queued made or failed; returns the blocks not trusted
-        flush = next(self.tickets)   # after all that were queued, a copy of nothing
-        self.unmade.add(flush)
-        self.queue.put((flush, None, None))
-        self.wait({flush})
+        self.worker.submit(lambda: None).result()   # after all that were queued: all done
         # after a failure none of the copies no step has seen made is trusted: those before the
         # failed one were made, but the undo drops their blocks too (a failure is rare)
         lost = list(self.started.values()) if self.failed is not None else []
-        # all made or failed: the bookkeeping starts over (a ticket Ctrl-C cut off goes too)
-        self.unmade, self.in_flight, self.started, self.failed = set(), {}, {}, None
+        # all made or failed: the bookkeeping starts over (a copy Ctrl-C cut off goes too)
+        self.in_flight, self.started, self.failed = {}, {}, None
         return {(dst_tier, dst) for _, _, dst_tier, dst in lost}
 
 WRITE_AHEAD = 16   # async_copies: the cached blocks next out that an idle link copies below, then

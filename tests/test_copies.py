@@ -5,7 +5,6 @@ gives a blocking run's tokens over slow links, with a request loading while othe
 import threading
 import time
 from collections import Counter, deque
-from unittest import mock
 
 import torch
 from hypothesis import settings
@@ -18,17 +17,21 @@ from nanopaged import LLM, CopyEngine, SamplingParams, ScheduledBatch, Scheduled
 from test_properties import BLOCK_SIZE, BlockManagerMachine
 
 
-class RecordingQueue(nanopaged.queue.Queue):
-    """The copy engine's queue, keeping every copy put in it, in order: what was queued."""
+def recording(engine):
+    """engine, keeping every copy it queues to its worker, in order, in engine.queued."""
+    engine.queued, submit = [], engine.worker.submit
 
-    def __init__(self):
-        super().__init__()
-        self.copies = []
+    def queue(fn, *args):
+        if fn == engine.make:   # (links, copy, ready)
+            engine.queued.append(args[1])
+        return submit(fn, *args)
 
-    def put(self, item):
-        if item is not None and item[1] is not None:   # not the stop, nor a flush
-            self.copies.append(item[1])
-        super().put(item)
+    engine.worker.submit = queue
+    return engine
+
+
+def all_made(engine):   # until every copy engine queued is made
+    engine.wait(set(engine.started))
 
 
 class GatedLinks:
@@ -70,13 +73,12 @@ class CopyEngineMachine(BlockManagerMachine):
         self.holder = Holder()
         self.holder.device, self.holder.links = torch.device("cpu"), self.links
         self.holder.block_manager, self.holder.events = self.bm, self.bm.events
-        with mock.patch.object(nanopaged.queue, "SimpleQueue", RecordingQueue):
-            self.engine = CopyEngine(self.holder)
+        self.engine = recording(CopyEngine(self.holder))
 
     def pending(self, tier, reads=True):
         """Blocks of tier a queued copy writes (or reads) and has not yet: the truth, not the
         engine's bookkeeping."""
-        queued = Counter(self.engine.queue.copies) - Counter(self.links.made)
+        queued = Counter(self.engine.queued) - Counter(self.links.made)
         return {b for src, s, dst, d in queued for pool, b in ((src, s if reads else -1), (dst, d))
                 if pool.name == tier}
 
@@ -112,7 +114,7 @@ class CopyEngineMachine(BlockManagerMachine):
 
     @rule()
     def every_copy_finishes(self):
-        self.engine.wait(set(self.engine.unmade))
+        all_made(self.engine)
 
     @invariant()
     def every_sequence_reads_its_own_tokens(self):
@@ -143,7 +145,7 @@ class CopyEngineMachine(BlockManagerMachine):
         BlockManagerMachine.every_sequence_reads_its_own_tokens(self)
         BlockManagerMachine.every_registered_block_holds_its_tokens(self)
         super().teardown()
-        self.engine.stop()
+        self.engine.worker.shutdown()
 
 
 CopyEngineMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30,
@@ -206,11 +208,11 @@ def test_a_request_runs_while_its_full_blocks_are_written_through_and_their_evic
     opener.start()
     ran = engine.start(holder, ScheduledBatch(10**6, [ScheduledSeq(Request([seq]), seq, 1)]))
     assert [e.seq for e in ran.entries] == [seq]   # not held back: its blocks are only read
-    assert bm.copies == deque() and len(engine.unmade) == 2, "the step waited for the copies"
+    assert bm.copies == deque() and len(engine.started) == 2, "the step waited for the copies"
     full = seq.block_table[:2]
     opener.cancel()
     holder.links.gate.set()
-    engine.wait(set(engine.unmade))
+    all_made(engine)
     assert [(src.name, b, dst.name) for src, b, dst, _ in holder.links.made] == [
         ("device", full[0], "host"), ("device", full[1], "host")]
     bm.free(seq)
@@ -221,7 +223,7 @@ def test_a_request_runs_while_its_full_blocks_are_written_through_and_their_evic
     assert bm.counts["num_offloaded_blocks"] == 2 and not bm.copies
     bm.free(other)
     bm.check_invariants()
-    engine.stop()
+    engine.worker.shutdown()
 
 
 def test_a_swap_out_reading_a_block_does_not_hide_its_load_still_in_flight():
@@ -246,9 +248,9 @@ def test_a_swap_out_reading_a_block_does_not_hide_its_load_still_in_flight():
     bm.copies.append((bm.device, 0, bm.host, 4))   # another holder of block 0 swapped out
     assert step(bystander, b) == [bystander], "b ran on a block still arriving"
     holder.links.gate.set()
-    engine.wait(set(engine.unmade))
+    all_made(engine)
     assert step(bystander, b) == [bystander, b]
-    engine.stop()
+    engine.worker.shutdown()
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -319,7 +321,7 @@ def test_a_swapped_request_swaps_in_ahead_while_others_spend_the_step():
     report = llm.step()   # the long prompt's next 8 tokens spend the budget
     assert [(e.request, e.num_new_tokens) for e in report.batch.entries] == [(long, 8)]
     assert [e.seq_ids for e in report.events if e.kind == "swap in"] == [(short.seqs[0].seq_id,)]
-    llm.copy_engine.wait(set(llm.copy_engine.unmade))   # (a busy machine: the worker not yet run)
+    all_made(llm.copy_engine)   # (a busy machine: the worker not yet run)
     report = llm.step()   # the short one decodes again, while the long one still prefills
     assert [e.request for e in report.batch.entries] == [short, long]
     assert long.seqs[0].num_computed_tokens < len(prompts[1])

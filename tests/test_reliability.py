@@ -105,7 +105,7 @@ def test_swap_out_and_in_keeps_kv_and_continues_exactly(async_copies):
     copies = list(llm.block_manager.copies)
     llm.copy_blocks(batch)
     if async_copies:   # made in the background: until they are
-        llm.copy_engine.wait(set(llm.copy_engine.unmade))
+        llm.copy_engine.wait(set(llm.copy_engine.started))
     distinct = len({b for s in seqs for b in s.block_table})
     assert len(copies) == distinct and {(c[0].name, c[2].name) for c in copies} == {("device", "host")}   # each distinct block moved once: sharing survives
     assert seqs[0].block_table[:5] == seqs[1].block_table[:5]
