@@ -237,7 +237,7 @@ def priority(args):
            rows, f"By priority the interactive requests' first token comes "
            f"{rows[0][1] / rows[1][1]:.1f}x sooner than first come first served ("
            f"{rows[0][1] / rows[2][1]:.1f}x with aging, which brings the batch requests' longest "
-           f"wait from {rows[1][3]:.1f} to {rows[2][3]:.1f} s).")
+           f"wait from {rows[1][3]:.2f} to {rows[2][3]:.2f} s).")
 
 def multiturn(args):
     """Chats, each turn the whole history and a new 64-token message (16 tokens back), one request
