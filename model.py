@@ -137,16 +137,18 @@ class Llama(nn.Module):
         # (tie_word_embeddings: lm_head's weight is embed_tokens' own Parameter; load_model ties
         # them, once the loaded tensors are in)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        # rotary: the pair (i, i + head_dim/2) turns at frequency theta^(-2i/head_dim); each
-        # frequency stands twice, at both members of its pair, as rotary() pairs them: (head_dim,)
-        dims = torch.arange(0, cfg.head_dim, 2, dtype=torch.float32).repeat(2) / cfg.head_dim
-        self.register_buffer("inv_freq", 1.0 / cfg.rope_theta ** dims, persistent=False)
 
     @torch.inference_mode()
     def forward(self, batch: Batch, kv_cache: torch.Tensor) -> torch.Tensor:
         """kv_cache: (2, num_layers, num_blocks, block_size, kv_heads, head_dim)."""
         x = self.embed_tokens(batch.input_ids)                               # (T, hidden)
-        angles = batch.positions[:, None, None].float() * self.inv_freq      # (T, 1, head_dim)
+        # rotary: the pair (i, i + head_dim/2) turns at frequency theta^(-2i/head_dim); each
+        # frequency stands twice, at both members of its pair, as rotary() pairs them. In float32
+        # whatever the model's dtype (bfloat16's 8 bits would turn position 8192 by 11 radians)
+        cfg = self.config
+        dims = torch.arange(0, cfg.head_dim, 2, device=x.device).repeat(2) / cfg.head_dim
+        inv_freq = 1.0 / cfg.rope_theta ** dims                               # (head_dim,)
+        angles = batch.positions[:, None, None].float() * inv_freq           # (T, 1, head_dim)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], batch)
