@@ -1274,16 +1274,12 @@ EVENT_WORDS = {   # the plain words of each kind of event, for the live view and
     "loading": "seq {seqs} sits this step out (loading): its blocks are still in flight",
 }
 
-@dataclass(frozen=True)
-class Event:
-    step: int
-    kind: str                   # a key of EVENT_WORDS
-    seq_ids: tuple = ()
-    block_ids: tuple = ()       # the blocks it acts on
-    tier: Pool | None = None    # their tier, where the words name it (None: they do not)
-    to_ids: tuple = ()          # where they went: the copy's block, the other tier's blocks
-    to_tier: Pool | None = None
-    details: dict = field(default_factory=dict)   # the rest its words say, by name (EVENT_WORDS)
+# one record of what happened, as EventLog.record makes it: the step it happened in; its kind
+# (a key of EVENT_WORDS); the sequences (seq_ids); the blocks it acts on (block_ids) and their
+# tier, a Pool where the words name it (None: they do not); where they went (to_ids: the copy's
+# block, the other tier's blocks) and their tier (to_tier); details: the rest its words say, by
+# name. Ids as tuples.
+class Event(namedtuple("Event", "step kind seq_ids block_ids tier to_ids to_tier details")):
 
     def words(self):
         tiers = dict(tier=getattr(self.tier, "name", None),
