@@ -1304,11 +1304,17 @@ class EventLog:   # what the block manager and the scheduler did, taken after ea
 def engine_stats(llm):   # LLM.stats(): fractions and counts, named as vLLM names them
     bm = llm.block_manager
     used = bm.num_used_blocks()
+    # the token slots holding K/V in each used block, a shared block's counted once
+    filled = {}   # block id -> its slots filled (the most any holder has written)
+    for seq in bm.device.seqs.values():
+        for i, block_id in enumerate(seq.block_table):
+            n = min(bm.block_size, max(0, seq.num_written_tokens - i * bm.block_size))
+            filled[block_id] = max(filled.get(block_id, 0), n)
     waited = llm.copy_engine.copy_wait_seconds if llm.copy_engine else llm.links.busy_seconds
     c = bm.counts   # the block manager's counts, under these names (BlockManager.__init__)
     return {
         "kv_cache_usage_perc": used / bm.num_blocks,   # cached blocks nobody holds are free
-        "token_occupancy_perc": num_stored_tokens(bm) / max(1, used * bm.block_size),
+        "token_occupancy_perc": sum(filled.values()) / max(1, used * bm.block_size),
         # its counts (those not counted yet read 0); the prefix cache's in tokens: the queries,
         # the hits in any tier, and of those the tokens loaded up from the host and the disk
         **{name: c[name] for name in
@@ -1326,14 +1332,6 @@ def engine_stats(llm):   # LLM.stats(): fractions and counts, named as vLLM name
         "copy_hidden_seconds": max(0.0, llm.links.busy_seconds - waited),
         **{f"{tier}_bytes_moved": llm.links.bytes_moved[tier] for tier in ("host", "disk")},
     }
-
-def num_stored_tokens(bm):   # distinct token slots holding K/V in used blocks: shared ones once
-    filled = {}
-    for seq in bm.device.seqs.values():
-        for i, block_id in enumerate(seq.block_table):
-            n = min(bm.block_size, max(0, seq.num_written_tokens - i * bm.block_size))
-            filled[block_id] = max(filled.get(block_id, 0), n)
-    return sum(filled.values())
 
 
 # ----------------------------------------------------------------------------------------------
