@@ -1633,8 +1633,7 @@ def rebuild_pool(bm, pool, unmade):
     """Every block of pool free, or cached if whole and registered as the step left it, in LRU
     order: by cached_at (Undo.restore has stamped the blocks the step's holders held)."""
     registered = pool.hash_to_block_ids   # as the step left it: a block goes in last
-    pool.free_block_ids, pool.cached_block_ids, pool.seqs = deque(), OrderedDict(), {}
-    pool.hash_to_block_ids = {}
+    vars(pool).update(vars(Pool(pool.name, 0)), blocks=pool.blocks)   # its lists empty, as new
     for block in sorted(pool.blocks, key=lambda b: b.cached_at):
         whole = (pool, block.block_id) not in unmade   # its K/V are in place
         if whole and block.block_id in registered.get(block.hash, ()):
