@@ -1793,8 +1793,8 @@ class PriorityScheduler(Scheduler):
 
     def schedule(self):
         batch = super().schedule()
-        for request in [*self.waiting, *self.swapped]:   # passed over this step: they age
-            self.num_steps_waited[request.request_id] += 1
+        # passed over this step, they age: a step more each
+        self.num_steps_waited.update(r.request_id for r in [*self.waiting, *self.swapped])
         self.waiting = deque(sorted(self.waiting, key=self.rank))   # aged, they may move up
         self.swapped.sort(key=self.rank)
         return batch
