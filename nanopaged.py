@@ -557,7 +557,7 @@ ScheduledSeq = namedtuple("ScheduledSeq", "request seq num_new_tokens")
 class ScheduledBatch:
     budget: int                                   # max_num_batched_tokens
     entries: list = field(default_factory=list)   # ScheduledSeq of each sequence that runs
-    slot_mapping: list = field(default_factory=list)   # each token's slot (LLM._prepare sets it)
+    slot_mapping: list = field(default_factory=list)   # each token's slot (LLM._prepare fills it)
 
     @property
     def num_tokens(self):
@@ -985,7 +985,7 @@ class LLM:
         """ScheduledBatch -> (model.Batch, to_sample: [(request, seq)]). Shapes: see model.Batch.
         It counts the step's prefill tokens too (the metric num_prefill_tokens_computed)."""
         block_size = self.block_manager.block_size
-        input_ids, positions, slot_mapping, logits_indices, to_sample = [], [], [], [], []
+        input_ids, positions, logits_indices, to_sample = [], [], [], []
         query_start_loc, context_lens = [0], []
         for request, seq, num_new in batch.entries:
             start = seq.num_computed_tokens   # this step computes positions start .. end - 1
@@ -994,14 +994,14 @@ class LLM:
             self.num_prefill_tokens_computed += max(0, min(end, seq.prefill_until) - start)
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
-            slot_mapping += [seq.block_table[p // block_size] * block_size + p % block_size
-                             for p in range(start, end)]
+            # each token's slot, kept in the batch too: the trace shows where decodes write
+            batch.slot_mapping += [seq.block_table[p // block_size] * block_size + p % block_size
+                                   for p in range(start, end)]
             query_start_loc.append(query_start_loc[-1] + num_new)
             context_lens.append(end)
             if end == len(seq):   # the chunk reaches the last token: its logits sample
                 logits_indices.append(query_start_loc[-1] - 1)
                 to_sample.append((request, seq))
-        batch.slot_mapping = slot_mapping   # (the trace shows where decodes write)
         tables = [e.seq.block_table for e in batch.entries]
         max_blocks = max(map(len, tables))
         block_tables = [t + [0] * (max_blocks - len(t)) for t in tables]   # padding is masked
@@ -1009,7 +1009,7 @@ class LLM:
         int32 = dict(dtype=torch.int32, device=self.device)
         model_batch = Batch(input_ids=torch.tensor(input_ids, **int64),
                             positions=torch.tensor(positions, **int64),
-                            slot_mapping=torch.tensor(slot_mapping, **int64),
+                            slot_mapping=torch.tensor(batch.slot_mapping, **int64),
                             block_tables=torch.tensor(block_tables, **int32),
                             context_lens=torch.tensor(context_lens, **int32),
                             query_start_loc=torch.tensor(query_start_loc, **int32),
