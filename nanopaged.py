@@ -32,7 +32,6 @@ import argparse
 import bisect
 import concurrent.futures
 import contextlib
-import copy
 import functools
 import itertools
 import math
@@ -1592,7 +1591,7 @@ def open_disk_pool(path, shape, dtype):
 # recovery() runs the undo (and generate()'s drop of its requests); a second Ctrl-C waits for it.
 
 def copy_state(obj):   # an object's attributes; the lists, deques, Counters a step edits, copied
-    return {k: copy.copy(v) if isinstance(v, (list, deque, Counter)) else v
+    return {k: v.copy() if isinstance(v, (list, deque, Counter)) else v
             for k, v in vars(obj).items()}
 
 class Undo:
