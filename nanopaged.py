@@ -839,7 +839,7 @@ class LLM:
                           "disk": open_disk_pool(disk_path, disk_shape, low_dtype)}
         # a block copy between tiers, over a link as slow as tier_gbps says (section 8); with
         # async_copies the copy engine makes them in the background
-        self.links = Links(self.kv_caches, tier_gbps)
+        self.links = Links(self.kv_caches, tier_gbps or {})
         self.copy_engine = CopyEngine(self) if async_copies else None
         # the cost rule (section 8): each tier's block copy timed now, each step's tokens after it
         cost = CostModel.measure(self, block_size)
@@ -1391,15 +1391,14 @@ class CostModel:
 
 class Links:
     """The tiers' K/V caches and the links between them: copy() moves one block's K and V (all
-    layers). tier_gbps={'host': G, 'disk': G} makes a tier's link to the others that slow, to
-    emulate on any machine what PCIe and NVMe do to a GPU server: a copy is held until
-    bytes / bandwidth have passed (None: the machine's own speed)."""
+    layers). gbps, LLM's tier_gbps ({'host': G, 'disk': G}; {} for None), makes a tier's link to
+    the others that slow, to emulate on any machine what PCIe and NVMe do to a GPU server: a copy
+    is held until bytes / bandwidth have passed (a tier not named: the machine's own speed)."""
 
-    def __init__(self, kv_caches, tier_gbps):
+    def __init__(self, kv_caches, gbps):
         self.kv_caches = kv_caches
         self.bytes_per_block = {t: c.element_size() * math.prod(c.shape[:2] + c.shape[3:])
                                 for t, c in kv_caches.items()}   # (INT8 tiers: fewer bytes)
-        gbps = tier_gbps or {}
         self.seconds = {t: self.bytes_per_block[t] / (g * 1e9) for t, g in gbps.items()}
         self.bytes_moved = Counter()   # the lower tier of each copy -> bytes over its link
         self.busy_seconds = 0.0        # copying, in all
