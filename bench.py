@@ -183,11 +183,10 @@ def kv_dtype(args):
         llm = engine(args, kv_cache_dtype=dtype, num_blocks=memory // bytes_per_block["device"])
         outs, seconds, seen = run(llm, prompts, [greedy] * len(prompts))
         first = []   # each prompt's first-token log-probs, as the model hands its logits on
-        hook = llm.model.register_forward_hook(lambda m, a, out: first.append(out.log_softmax(-1)))
-        for prompt in prompts:   # (a step each: one row of logits each)
-            llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
-        hook.remove()
-        first = torch.cat(first)
+        with llm.model.register_forward_hook(lambda m, a, out: first.append(out.log_softmax(-1))):
+            for prompt in prompts:   # (a step each: one row of logits each)
+                llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
+        first = torch.cat(first)   # (the hook is removed as the with block ends)
         want = want or (first, outs)
         differ = [next(i for i, (a, b) in enumerate(zip(o[0], w[0])) if a != b)
                   for o, w in zip(outs, want[1]) if o != w]
