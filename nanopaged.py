@@ -393,8 +393,7 @@ class BlockManager:
         A hit on a held device block takes no free block; any other hit takes one."""
         hits = self._cache_hits(seq)
         need = self._num_blocks_for(len(seq)) - sum(b.ref_count > 0 for _, b in hits)
-        for s in siblings:
-            need += self._num_blocks_for(len(s)) - self.num_shared(seq, s)
+        need += sum(self._num_blocks_for(len(s)) - self.num_shared(seq, s) for s in siblings)
         return self.num_free_blocks - need >= watermark
 
     def allocate(self, seq):
