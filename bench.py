@@ -60,6 +60,10 @@ def mixed_workload(llm, num_requests, seed=0, sample_every=0):
 def engine(args, **kwargs):   # an LLM on the command line's model, device and kv_cache_dtype
     return LLM(args.model, device=args.device, **{"kv_cache_dtype": args.kv_cache_dtype, **kwargs})
 
+def timed(f, *args):   # (f(*args), the seconds it took)
+    t0 = time.perf_counter()
+    return f(*args), time.perf_counter() - t0
+
 def run(llm, prompts, params):
     """Requests through the engine: (each output's token ids, seconds, the pool after each step)."""
     seen = []
@@ -69,11 +73,9 @@ def run(llm, prompts, params):
                          running_requests=len(llm.scheduler.running)))
 
     llm.on_step.append(watch)
-    t0 = time.perf_counter()
-    outs = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
-    seconds = time.perf_counter() - t0
+    outs, seconds = timed(llm.generate, prompts, params)
     llm.on_step.remove(watch)   # watch refers to llm: left in, the engine would never be freed
-    return outs, seconds, seen
+    return [[c.token_ids for c in o.outputs] for o in outs], seconds, seen
 
 @torch.inference_mode()
 def hf_generate(hf, prompts, params, size):
@@ -135,9 +137,7 @@ def throughput(args):
     rows = [("nanopaged", seconds, num_tokens / seconds, 1.0, 1.0)]
     for name, generate, arg in (("batch 1", hf_generate, 1), ("batch 8", hf_generate, 8),
                                 ("continuous batching", hf_continuous, num_blocks)):
-        t0 = time.perf_counter()
-        theirs = list(generate(hf, prompts, params, arg))
-        hf_seconds = time.perf_counter() - t0
+        theirs, hf_seconds = timed(lambda: list(generate(hf, prompts, params, arg)))
         rows.append((f"transformers, {name}", hf_seconds, num_tokens / hf_seconds,
                      hf_seconds / seconds, mean(t == o[0] for t, o in zip(theirs, ours))))
     report("throughput", f"{len(prompts)} mixed requests, {llm.device}, {llm.dtype}",
@@ -183,11 +183,10 @@ def kv_dtype(args):
         llm = engine(args, kv_cache_dtype=dtype, num_blocks=memory // bytes_per_block["device"])
         outs, seconds, seen = run(llm, prompts, [greedy] * len(prompts))
         first = []   # each prompt's first-token log-probs, as the model hands its logits on
-        hook = llm.model.register_forward_hook(lambda m, a, out: first.append(out.log_softmax(-1)))
-        for prompt in prompts:   # (a step each: one row of logits each)
-            llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
-        hook.remove()
-        first = torch.cat(first)
+        with llm.model.register_forward_hook(lambda m, a, out: first.append(out.log_softmax(-1))):
+            for prompt in prompts:   # (a step each: one row of logits each)
+                llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
+        first = torch.cat(first)   # (the hook is removed as the with block ends)
         want = want or (first, outs)
         differ = [next(i for i, (a, b) in enumerate(zip(o[0], w[0])) if a != b)
                   for o, w in zip(outs, want[1]) if o != w]
@@ -223,9 +222,7 @@ def priority(args):
         # the batch requests at step 0 (priority 1; under fcfs all are 0), then the interactive
         arrivals = [(0, prompts[:num_batch], long, [int(bool(policy))] * num_batch)]
         arrivals += [(2 * i, [p], short, [0]) for i, p in enumerate(prompts[num_batch:])]
-        t0 = time.perf_counter()
-        outs = [llm.output(r) for r in run_arrivals(llm, arrivals)]
-        seconds = time.perf_counter() - t0
+        outs, seconds = timed(lambda: [llm.output(r) for r in run_arrivals(llm, arrivals)])
         ttft = sorted(o.ttft for o in outs[num_batch:])
         tokens = [o.outputs[0].token_ids for o in outs]
         want = want or tokens

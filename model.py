@@ -192,10 +192,9 @@ def load_hf(name=None, seed=0):
     if not os.path.isdir(path):
         raise ValueError(f"model {name!r} is not a directory; use None/'smollm2', a local "
                          "directory or 'random:<preset>'")
-    tokenizer = AutoTokenizer.from_pretrained(path, **extra)
     # (a model we cannot run exactly stops in load_model, at config_from_hf)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra).eval()
-    return hf, tokenizer
+    return hf, AutoTokenizer.from_pretrained(path, **extra)
 
 def config_from_hf(c) -> ModelConfig:
     """Ours from transformers' config; a feature we do not compute is a ValueError naming it."""

@@ -32,7 +32,6 @@ import argparse
 import bisect
 import concurrent.futures
 import contextlib
-import copy
 import functools
 import itertools
 import math
@@ -394,8 +393,7 @@ class BlockManager:
         A hit on a held device block takes no free block; any other hit takes one."""
         hits = self._cache_hits(seq)
         need = self._num_blocks_for(len(seq)) - sum(b.ref_count > 0 for _, b in hits)
-        for s in siblings:
-            need += self._num_blocks_for(len(s)) - self.num_shared(seq, s)
+        need += sum(self._num_blocks_for(len(s)) - self.num_shared(seq, s) for s in siblings)
         return self.num_free_blocks - need >= watermark
 
     def allocate(self, seq):
@@ -557,7 +555,7 @@ ScheduledSeq = namedtuple("ScheduledSeq", "request seq num_new_tokens")
 class ScheduledBatch:
     budget: int                                   # max_num_batched_tokens
     entries: list = field(default_factory=list)   # ScheduledSeq of each sequence that runs
-    slot_mapping: list = field(default_factory=list)   # each token's slot (LLM._prepare sets it)
+    slot_mapping: list = field(default_factory=list)   # each token's slot (LLM._prepare fills it)
 
     @property
     def num_tokens(self):
@@ -840,7 +838,7 @@ class LLM:
                           "disk": open_disk_pool(disk_path, disk_shape, low_dtype)}
         # a block copy between tiers, over a link as slow as tier_gbps says (section 8); with
         # async_copies the copy engine makes them in the background
-        self.links = Links(self.kv_caches, tier_gbps)
+        self.links = Links(self.kv_caches, tier_gbps or {})
         self.copy_engine = CopyEngine(self) if async_copies else None
         # the cost rule (section 8): each tier's block copy timed now, each step's tokens after it
         cost = CostModel.measure(self, block_size)
@@ -985,7 +983,7 @@ class LLM:
         """ScheduledBatch -> (model.Batch, to_sample: [(request, seq)]). Shapes: see model.Batch.
         It counts the step's prefill tokens too (the metric num_prefill_tokens_computed)."""
         block_size = self.block_manager.block_size
-        input_ids, positions, slot_mapping, logits_indices, to_sample = [], [], [], [], []
+        input_ids, positions, logits_indices, to_sample = [], [], [], []
         query_start_loc, context_lens = [0], []
         for request, seq, num_new in batch.entries:
             start = seq.num_computed_tokens   # this step computes positions start .. end - 1
@@ -994,14 +992,14 @@ class LLM:
             self.num_prefill_tokens_computed += max(0, min(end, seq.prefill_until) - start)
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
-            slot_mapping += [seq.block_table[p // block_size] * block_size + p % block_size
-                             for p in range(start, end)]
+            # each token's slot, kept in the batch too: the trace shows where decodes write
+            batch.slot_mapping += [seq.block_table[p // block_size] * block_size + p % block_size
+                                   for p in range(start, end)]
             query_start_loc.append(query_start_loc[-1] + num_new)
             context_lens.append(end)
             if end == len(seq):   # the chunk reaches the last token: its logits sample
                 logits_indices.append(query_start_loc[-1] - 1)
                 to_sample.append((request, seq))
-        batch.slot_mapping = slot_mapping   # (the trace shows where decodes write)
         tables = [e.seq.block_table for e in batch.entries]
         max_blocks = max(map(len, tables))
         block_tables = [t + [0] * (max_blocks - len(t)) for t in tables]   # padding is masked
@@ -1009,7 +1007,7 @@ class LLM:
         int32 = dict(dtype=torch.int32, device=self.device)
         model_batch = Batch(input_ids=torch.tensor(input_ids, **int64),
                             positions=torch.tensor(positions, **int64),
-                            slot_mapping=torch.tensor(slot_mapping, **int64),
+                            slot_mapping=torch.tensor(batch.slot_mapping, **int64),
                             block_tables=torch.tensor(block_tables, **int32),
                             context_lens=torch.tensor(context_lens, **int32),
                             query_start_loc=torch.tensor(query_start_loc, **int32),
@@ -1274,16 +1272,12 @@ EVENT_WORDS = {   # the plain words of each kind of event, for the live view and
     "loading": "seq {seqs} sits this step out (loading): its blocks are still in flight",
 }
 
-@dataclass(frozen=True)
-class Event:
-    step: int
-    kind: str                   # a key of EVENT_WORDS
-    seq_ids: tuple = ()
-    block_ids: tuple = ()       # the blocks it acts on
-    tier: Pool | None = None    # their tier, where the words name it (None: they do not)
-    to_ids: tuple = ()          # where they went: the copy's block, the other tier's blocks
-    to_tier: Pool | None = None
-    details: dict = field(default_factory=dict)   # the rest its words say, by name (EVENT_WORDS)
+# one record of what happened, as EventLog.record makes it: the step it happened in; its kind
+# (a key of EVENT_WORDS); the sequences (seq_ids); the blocks it acts on (block_ids) and their
+# tier, a Pool where the words name it (None: they do not); where they went (to_ids: the copy's
+# block, the other tier's blocks) and their tier (to_tier); details: the rest its words say, by
+# name. Ids as tuples.
+class Event(namedtuple("Event", "step kind seq_ids block_ids tier to_ids to_tier details")):
 
     def words(self):
         tiers = dict(tier=getattr(self.tier, "name", None),
@@ -1308,11 +1302,17 @@ class EventLog:   # what the block manager and the scheduler did, taken after ea
 def engine_stats(llm):   # LLM.stats(): fractions and counts, named as vLLM names them
     bm = llm.block_manager
     used = bm.num_used_blocks()
+    # the token slots holding K/V in each used block, a shared block's counted once
+    filled = {}   # block id -> its slots filled (the most any holder has written)
+    for seq in bm.device.seqs.values():
+        for i, block_id in enumerate(seq.block_table):
+            n = min(bm.block_size, max(0, seq.num_written_tokens - i * bm.block_size))
+            filled[block_id] = max(filled.get(block_id, 0), n)
     waited = llm.copy_engine.copy_wait_seconds if llm.copy_engine else llm.links.busy_seconds
     c = bm.counts   # the block manager's counts, under these names (BlockManager.__init__)
     return {
         "kv_cache_usage_perc": used / bm.num_blocks,   # cached blocks nobody holds are free
-        "token_occupancy_perc": num_stored_tokens(bm) / max(1, used * bm.block_size),
+        "token_occupancy_perc": sum(filled.values()) / max(1, used * bm.block_size),
         # its counts (those not counted yet read 0); the prefix cache's in tokens: the queries,
         # the hits in any tier, and of those the tokens loaded up from the host and the disk
         **{name: c[name] for name in
@@ -1330,14 +1330,6 @@ def engine_stats(llm):   # LLM.stats(): fractions and counts, named as vLLM name
         "copy_hidden_seconds": max(0.0, llm.links.busy_seconds - waited),
         **{f"{tier}_bytes_moved": llm.links.bytes_moved[tier] for tier in ("host", "disk")},
     }
-
-def num_stored_tokens(bm):   # distinct token slots holding K/V in used blocks: shared ones once
-    filled = {}
-    for seq in bm.device.seqs.values():
-        for i, block_id in enumerate(seq.block_table):
-            n = min(bm.block_size, max(0, seq.num_written_tokens - i * bm.block_size))
-            filled[block_id] = max(filled.get(block_id, 0), n)
-    return sum(filled.values())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1398,15 +1390,14 @@ class CostModel:
 
 class Links:
     """The tiers' K/V caches and the links between them: copy() moves one block's K and V (all
-    layers). tier_gbps={'host': G, 'disk': G} makes a tier's link to the others that slow, to
-    emulate on any machine what PCIe and NVMe do to a GPU server: a copy is held until
-    bytes / bandwidth have passed (None: the machine's own speed)."""
+    layers). gbps, LLM's tier_gbps ({'host': G, 'disk': G}; {} for None), makes a tier's link to
+    the others that slow, to emulate on any machine what PCIe and NVMe do to a GPU server: a copy
+    is held until bytes / bandwidth have passed (a tier not named: the machine's own speed)."""
 
-    def __init__(self, kv_caches, tier_gbps):
+    def __init__(self, kv_caches, gbps):
         self.kv_caches = kv_caches
         self.bytes_per_block = {t: c.element_size() * math.prod(c.shape[:2] + c.shape[3:])
                                 for t, c in kv_caches.items()}   # (INT8 tiers: fewer bytes)
-        gbps = tier_gbps or {}
         self.seconds = {t: self.bytes_per_block[t] / (g * 1e9) for t, g in gbps.items()}
         self.bytes_moved = Counter()   # the lower tier of each copy -> bytes over its link
         self.busy_seconds = 0.0        # copying, in all
@@ -1598,7 +1589,7 @@ def open_disk_pool(path, shape, dtype):
 # recovery() runs the undo (and generate()'s drop of its requests); a second Ctrl-C waits for it.
 
 def copy_state(obj):   # an object's attributes; the lists, deques, Counters a step edits, copied
-    return {k: copy.copy(v) if isinstance(v, (list, deque, Counter)) else v
+    return {k: v.copy() if isinstance(v, (list, deque, Counter)) else v
             for k, v in vars(obj).items()}
 
 class Undo:
@@ -1639,8 +1630,7 @@ def rebuild_pool(bm, pool, unmade):
     """Every block of pool free, or cached if whole and registered as the step left it, in LRU
     order: by cached_at (Undo.restore has stamped the blocks the step's holders held)."""
     registered = pool.hash_to_block_ids   # as the step left it: a block goes in last
-    pool.free_block_ids, pool.cached_block_ids, pool.seqs = deque(), OrderedDict(), {}
-    pool.hash_to_block_ids = {}
+    vars(pool).update(vars(Pool(pool.name, 0)), blocks=pool.blocks)   # its lists empty, as new
     for block in sorted(pool.blocks, key=lambda b: b.cached_at):
         whole = (pool, block.block_id) not in unmade   # its K/V are in place
         if whole and block.block_id in registered.get(block.hash, ()):
@@ -1800,8 +1790,8 @@ class PriorityScheduler(Scheduler):
 
     def schedule(self):
         batch = super().schedule()
-        for request in [*self.waiting, *self.swapped]:   # passed over this step: they age
-            self.num_steps_waited[request.request_id] += 1
+        # passed over this step, they age: a step more each
+        self.num_steps_waited.update(r.request_id for r in [*self.waiting, *self.swapped])
         self.waiting = deque(sorted(self.waiting, key=self.rank))   # aged, they may move up
         self.swapped.sort(key=self.rank)
         return batch
