@@ -70,17 +70,17 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        # Q, K and V in one matmul (vLLM's QKVParallelLinear): one wide GEMM reads x once, where
+        # three narrow ones would; load_model fills it with transformers' three weights
+        self.sizes = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
+        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.sizes), bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, k_cache, v_cache, batch):
         # x: (num_tokens, hidden); caches: (num_blocks, block_size, kv_heads, head_dim)
-        q = self.q_proj(x).unflatten(-1, (-1, self.head_dim))   # (T, heads, head_dim)
-        k = self.k_proj(x).unflatten(-1, (-1, self.head_dim))   # (T, kv_heads, head_dim)
-        v = self.v_proj(x).unflatten(-1, (-1, self.head_dim))
-        q, k = rotary(q, cos, sin), rotary(k, cos, sin)
+        qkv = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in qkv)   # (T, heads, head_dim)
+        q, k = rotary(q, cos, sin), rotary(k, cos, sin)   # (k, v: (T, kv_heads, head_dim))
         # 1. every new token's K and V go into its slot, all of them before any query reads;
         # 2. each query reads its whole context from the pool, through its block table
         store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
@@ -92,12 +92,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):  # SwiGLU
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        # gate and up in one matmul (vLLM's MergedColumnParallelLinear), as Q, K and V above
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -222,12 +223,25 @@ def config_from_hf(c) -> ModelConfig:
     values["rope_theta"] = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
     return ModelConfig(**values)
 
+# our fused linears (Attention, MLP) and transformers' linears whose weights they stack
+FUSED = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),
+         "mlp.gate_up_proj": ("gate_proj", "up_proj")}
+
 @functools.lru_cache(maxsize=2)   # engines built alike share one copy: inference only reads it
 def load_model(name=None, device="cpu", dtype=torch.float32, seed=0):
     """(our Llama on device, tokenizer or None, eos token ids) for a name load_hf accepts."""
     hf, tokenizer = load_hf(name, seed)
     model = Llama(config_from_hf(hf.config))
     state = {k.removeprefix("model."): v for k, v in hf.state_dict().items()}
+    for i, layer in enumerate(hf.model.layers):   # each fused weight: its parts, one after another
+        for fused, parts in FUSED.items():
+            module = fused.split(".")[0]
+            weight = torch.cat([state.pop(f"layers.{i}.{module}.{part}.weight") for part in parts])
+            state[f"layers.{i}.{fused}.weight"] = weight
+            # transformers' linears become views of it: the weights stay in memory once
+            linears = [layer.get_submodule(f"{module}.{part}") for part in parts]
+            for linear, view in zip(linears, weight.split([lin.out_features for lin in linears])):
+                linear.weight.data = view
     model.load_state_dict(state, assign=True)   # transformers' own tensors: on a CPU, no copy
     # tie_word_embeddings: one Parameter for the embedding and the output matrix (here, not in
     # Llama: assign gives each name its own Parameter, so a tie made before would not survive)
