@@ -40,46 +40,46 @@ def store_kvcache(k, v, k_cache, v_cache, slot_mapping):
 
 # ----------------------------------------------------------------------------------------------
 # The reference, and the CPU path: gather every context through its block table, then attention
-# for the whole step at once, in plain PyTorch
+# in plain PyTorch: one call for all the step's decodes, one for each prefill chunk
 
 def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale):
-    """Shapes: see paged_attention_kernel. Decodes and prefill chunks go in two batches: padding
-    a decode's one query to the longest chunk would multiply its work."""
+    """Shapes: see paged_attention_kernel. The decodes go in one batch, each prefill chunk alone:
+    padded to the longest chunk, a decode's one query or a short chunk would multiply its work."""
     block_size, num_kv_heads = k_cache.shape[1:3]
     head_dim = q.shape[2]   # (an INT8 cache's rows are longer: their scales follow)
     group = q.shape[1] // num_kv_heads                                  # query heads per K/V head
     q_lens = query_start_loc.diff()                                     # (num_seqs,)
     out = torch.empty_like(q)
-    for members in (q_lens == 1, q_lens > 1):   # (num_seqs,) bool: the decodes, the chunks
-        if not members.any():
+    decodes, chunks = (q_lens == 1).nonzero().flatten(), (q_lens > 1).nonzero()
+    for members in [decodes, *chunks]:   # (seqs,) the batch's sequences: q_len new tokens each
+        if len(members) == 0:
             continue
-        starts = query_start_loc[:-1][members]                  # (seqs,) of this batch
-        lens, ctx = q_lens[members], context_lens[members]      # (seqs,) each
-        n, max_q, max_ctx = len(lens), int(lens.max()), int(ctx.max())
-        tables = block_tables[members, :(max_ctx + block_size - 1) // block_size].long()
+        n, q_len, ctx = len(members), int(q_lens[members[0]]), context_lens[members]
+        tables = block_tables[members, :(int(ctx.max()) + block_size - 1) // block_size]
         # 1. the gather is where paging shows: logical block j of a sequence is physical
-        #    tables[j]; each context comes out in order, padded to the longest
-        k = k_cache[tables].flatten(1, 2)[:, :max_ctx]          # (seqs, max_ctx, kv_heads, dim)
-        v = v_cache[tables].flatten(1, 2)[:, :max_ctx]
+        #    tables[j]; each context comes out in order, whole blocks (the mask hides the slots
+        #    past its end), padded to the longest
+        ids = tables.flatten().long()
+        k = k_cache.flatten(1).index_select(0, ids).view(n, -1, *k_cache.shape[2:])
+        v = v_cache.flatten(1).index_select(0, ids).view(n, -1, *v_cache.shape[2:])
         if k.dtype == torch.int8:   # kv_cache_dtype="int8": what was gathered, back to floats
             k, v = dequantize(k, q.dtype), dequantize(v, q.dtype)
-        # 2. each sequence's new tokens as rows 0 .. q_len - 1 (padding rows repeat a token)
-        j = torch.arange(max_q, device=q.device)
-        rows = (starts[:, None] + j).clamp(max=len(q) - 1)      # (seqs, max_q) indices into q
+        # 2. each sequence's new tokens: rows qsl[i] .. qsl[i] + q_len - 1 of q
+        j = torch.arange(q_len, device=q.device)
+        rows = query_start_loc[members, None] + j                # (seqs, q_len)
         # causal: row j sits at position ctx - q_len + j and sees keys 0 .. that position
-        q_pos = (ctx - lens)[:, None] + j                       # (seqs, max_q)
-        mask = torch.arange(max_ctx, device=q.device) <= q_pos[..., None]   # (seqs, max_q, ctx)
+        q_pos = ctx[:, None] - q_len + j                         # (seqs, q_len)
+        mask = torch.arange(k.shape[1], device=q.device) <= q_pos[..., None]   # (seqs, q_len, ctx)
         # 3. grouped-query attention as the kernel does it: the query heads that share a K/V
         #    head are more rows of one attention over that head's K and V.
-        #    qg: (seqs, kv_heads, q, group, dim)
-        qg = q[rows].view(n, max_q, num_kv_heads, group, head_dim).transpose(1, 2)
+        #    qg: (seqs, kv_heads, q_len, group, dim)
+        qg = q[rows].view(n, q_len, num_kv_heads, group, head_dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(qg.flatten(2, 3), k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=mask.repeat_interleave(group, 1)[:, None],
                                            scale=scale)         # (seqs, kv_heads, q * group, dim)
-        o = o.view(n, num_kv_heads, max_q, group, head_dim).transpose(1, 2).flatten(2, 3)
-        # 4. back to the batch's flat order, without the padding rows
-        keep = j < lens[:, None]                                # (seqs, max_q)
-        out[rows[keep]] = o[keep]                               # o: (seqs, max_q, heads, dim)
+        o = o.view(n, num_kv_heads, q_len, group, head_dim).transpose(1, 2)
+        # 4. back to the batch's flat order
+        out.index_copy_(0, rows.flatten(), o.reshape(-1, *q.shape[1:]))
     return out
 
 # ----------------------------------------------------------------------------------------------
