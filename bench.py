@@ -10,6 +10,7 @@ import json
 import platform
 import random
 import time
+import timeit
 from statistics import fmean as mean
 
 import torch
@@ -63,6 +64,10 @@ def engine(args, **kwargs):   # an LLM on the command line's model, device and k
 def timed(f, *args):   # (f(*args), the seconds it took)
     t0 = time.perf_counter()
     return f(*args), time.perf_counter() - t0
+
+def gemm_rate(device, dtype):   # FLOP/s, the machine's best: the fastest of 5 matmuls of 2048²
+    a = torch.randn(2048, 2048, device=device, dtype=dtype)
+    return 2 * 2048 ** 3 / min(timeit.repeat(lambda: (a @ a)[0, 0].item(), number=1, repeat=5))
 
 def run(llm, prompts, params):
     """Requests through the engine: (each output's token ids, seconds, the pool after each step)."""
@@ -132,18 +137,29 @@ def throughput(args):
     llm = engine(args, num_blocks=num_blocks)
     prompts, params = mixed_workload(llm, args.num_requests)
     ours, seconds, _ = run(llm, prompts, params)
+    # the matmul floor: the workload's linear layers (2 FLOPs a weight a token computed; the
+    # vocabulary's for each token sampled) at the machine's best GEMM rate
+    s, num_tokens = llm.stats(), sum(p.max_tokens for p in params)
+    computed = s["num_prefill_tokens_computed"] + num_tokens - len(prompts)   # (not the last)
+    linears = [m for m in llm.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    flops = 2 * (sum(m.weight.numel() for m in linears) * computed
+                 + llm.model.lm_head.weight.numel() * num_tokens)
+    floor = flops / gemm_rate(llm.device, llm.dtype)
     hf = load_hf(args.model, llm.seed)[0].to(llm.device)   # the weights nanopaged runs
-    num_tokens = sum(p.max_tokens for p in params)
-    rows = [("nanopaged", seconds, num_tokens / seconds, 1.0, 1.0)]
+    rows = [("nanopaged", seconds, num_tokens / seconds, 1.0, 1.0, floor / seconds)]
     for name, generate, arg in (("batch 1", hf_generate, 1), ("batch 8", hf_generate, 8),
                                 ("continuous batching", hf_continuous, num_blocks)):
         theirs, hf_seconds = timed(lambda: list(generate(hf, prompts, params, arg)))
         rows.append((f"transformers, {name}", hf_seconds, num_tokens / hf_seconds,
-                     hf_seconds / seconds, mean(t == o[0] for t, o in zip(theirs, ours))))
+                     hf_seconds / seconds, mean(t == o[0] for t, o in zip(theirs, ours)),
+                     floor / hf_seconds))
     report("throughput", f"{len(prompts)} mixed requests, {llm.device}, {llm.dtype}",
-           ["engine", "seconds", "output tokens/s", "nanopaged's speedup", "same greedy tokens"],
-           rows, f"nanopaged is {rows[3][3]:.1f}x as fast as transformers' continuous batching, "
-           f"{rows[2][3]:.1f}x static batches of 8, {rows[1][3]:.1f}x one at a time.")
+           ["engine", "seconds", "output tokens/s", "nanopaged's speedup", "same greedy tokens",
+            "of the matmul floor"], rows,
+           f"nanopaged is {rows[3][3]:.1f}x as fast as transformers' continuous batching, "
+           f"{rows[2][3]:.1f}x static batches of 8, {rows[1][3]:.1f}x one at a time; it runs at "
+           f"{rows[0][5]:.0%} of the matmul floor ({flops / 1e12:.2f} TFLOP of linear layers at "
+           f"{flops / floor / 1e9:.0f} GFLOP/s, this machine's best).")
 
 def prefix(args):
     """A system prompt of 400 tokens (25 full blocks) before each 12-token question; a request

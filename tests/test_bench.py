@@ -18,7 +18,8 @@ def test_every_experiment_runs_and_its_figures_hold(tmp_path):
     rows = {name: e["rows"] for name, e in experiments.items()}
     paged, contiguous = rows["memory"][1], rows["memory"][-1]
     assert paged[2] > contiguous[2] and paged[4] > contiguous[4]   # occupancy, requests at once
-    assert [row[-1] for row in rows["throughput"]] == [1.0] * 4    # the same greedy tokens
+    assert [row[4] for row in rows["throughput"]] == [1.0] * 4     # the same greedy tokens
+    assert all(0 < row[5] < 1 for row in rows["throughput"])       # a share of the matmul floor
     on, off = rows["prefix"]
     assert on[1] < off[1] and on[2] > 0 == off[2]                  # fewer computed, hits
     exact = [row for row in rows["multiturn"] if "INT8" not in row[0]]   # INT8 rounds what it loads
