@@ -141,9 +141,8 @@ def throughput(args):
     # vocabulary's for each token sampled) at the machine's best GEMM rate
     s, num_tokens = llm.stats(), sum(p.max_tokens for p in params)
     computed = s["num_prefill_tokens_computed"] + num_tokens - len(prompts)   # (not the last)
-    linears = [m for m in llm.model.layers.modules() if isinstance(m, torch.nn.Linear)]
-    flops = 2 * (sum(m.weight.numel() for m in linears) * computed
-                 + llm.model.lm_head.weight.numel() * num_tokens)
+    weights = sum(p.numel() for p in llm.model.layers.parameters() if p.dim() == 2)   # linears'
+    flops = 2 * (weights * computed + llm.model.lm_head.weight.numel() * num_tokens)
     floor = flops / gemm_rate(llm.device, llm.dtype)
     hf = load_hf(args.model, llm.seed)[0].to(llm.device)   # the weights nanopaged runs
     rows = [("nanopaged", seconds, num_tokens / seconds, 1.0, 1.0, floor / seconds)]
