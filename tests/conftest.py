@@ -43,4 +43,4 @@ def hf_greedy(hf, prompt_ids, max_new_tokens):
 @pytest.fixture(scope="session")
 def default_hf():
     from model import load_hf
-    return load_hf(None)
+    return load_hf(None, 0)   # load_model's key: the default model loads once a run
