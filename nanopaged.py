@@ -557,9 +557,10 @@ class ScheduledBatch:
     entries: list = field(default_factory=list)   # ScheduledSeq of each sequence that runs
     slot_mapping: list = field(default_factory=list)   # each token's slot (LLM._prepare fills it)
 
-    @property
-    def num_tokens(self):
-        return sum(e.num_new_tokens for e in self.entries)
+    def __post_init__(self):
+        # the entries' tokens, kept as entries come and go: a sum at every add (and is_full) would
+        # make scheduling quadratic in the batch's sequences
+        self.num_tokens = sum(e.num_new_tokens for e in self.entries)
 
     @property
     def is_full(self):
@@ -569,9 +570,11 @@ class ScheduledBatch:
         # a prompt longer than what is left of the budget is computed in chunks (chunked prefill)
         chunk = min(len(seq) - seq.num_computed_tokens, self.budget - self.num_tokens)
         self.entries.append(ScheduledSeq(request, seq, chunk))
+        self.num_tokens += chunk
 
     def remove(self, request):
         self.entries = [e for e in self.entries if e.request is not request]
+        self.num_tokens = sum(e.num_new_tokens for e in self.entries)
 
 class Scheduler:
     """First come, first served continuous batching of requests under a token budget per step
