@@ -1306,11 +1306,15 @@ def engine_stats(llm):   # LLM.stats(): fractions and counts, named as vLLM name
     bm = llm.block_manager
     used = bm.num_used_blocks()
     # the token slots holding K/V in each used block, a shared block's counted once
-    filled = {}   # block id -> its slots filled (the most any holder has written)
+    filled = {}   # block id -> its slots filled (as many for each of its holders: see below)
     for seq in bm.device.seqs.values():
-        for i, block_id in enumerate(seq.block_table):
-            n = min(bm.block_size, max(0, seq.num_written_tokens - i * bm.block_size))
-            filled[block_id] = max(filled.get(block_id, 0), n)
+        # the blocks it has written whole, then the next one's slots written if it has that block
+        # (the blocks after it hold none), each a dict update at C speed. Every holder of a shared
+        # block has written as much of it (nobody writes a shared block but a leader, and the
+        # samples that wait for it count only what it wrote): the holder counted last counts right
+        num_full, last = divmod(seq.num_written_tokens, bm.block_size)
+        filled.update(dict.fromkeys(seq.block_table[:num_full], bm.block_size))
+        filled.update(dict.fromkeys(seq.block_table[num_full:num_full + 1], last))
     waited = llm.copy_engine.copy_wait_seconds if llm.copy_engine else llm.links.busy_seconds
     c = bm.counts   # the block manager's counts, under these names (BlockManager.__init__)
     return {
