@@ -1493,7 +1493,8 @@ class CopyEngine:
         return batch
 
     def loading(self, request):   # the copies (Futures) its device blocks still wait for:
-        mine = {("device", b) for s in request.seqs for b in s.block_table}
+        # (with no copy queued, none: its blocks go unlisted, as every step asks of every request)
+        mine = {("device", b) for s in request.seqs for b in s.block_table} if self.started else ()
         # those that write one, or read one evicted (unregistered: the step may write it); not a
         # write-ahead's, which reads a registered block: K/V that never change, the step's too
         return {f for f, (src, i, dst, j) in self.started.items() if not f.done() and
