@@ -1596,20 +1596,32 @@ def open_disk_pool(path, shape, dtype):
 # a recompute finds its full blocks there; a block whose queued copy was never made is dropped.
 # recovery() runs the undo (and generate()'s drop of its requests); a second Ctrl-C waits for it.
 
-def copy_state(obj):   # an object's attributes; the lists, deques, Counters a step edits, copied
-    return {k: v.copy() if isinstance(v, (list, deque, Counter)) else v
-            for k, v in vars(obj).items()}
+def copy_state(obj, *edited):   # obj's attributes, with a copy of each list named in edited
+    # (none named: of every list, deque and Counter it has)
+    edited = edited or [k for k, v in vars(obj).items() if isinstance(v, (list, deque, Counter))]
+    return dict(vars(obj), **{k: getattr(obj, k).copy() for k in edited})
 
 class Undo:
+    """What a step can change, as it was before it, and no more: the record grows with the
+    requests the step can touch, not with their lengths (nor with the pool's size)."""
+
     def __init__(self, llm):
         self.llm, sched = llm, llm.scheduler
         room = sched.max_num_seqs - sum(r.max_num_running_seqs for r in sched.running)
         waiting = itertools.islice(sched.waiting, max(0, room) + 1)   # those it can admit, or try
         requests = [*sched.running, *sched.swapped, *waiting]   # the requests it can touch
-        objects = [llm, sched, llm.block_manager, llm.events, *requests,
-                   *(s for r in requests for s in r.seqs)]
-        self.states = [(obj, copy_state(obj)) for obj in objects]
-        self.random_states = [(g, g.get_state()) for r in requests for g in r.generators]
+        # the engine's objects, a few: their attributes, every list, deque and Counter copied
+        self.states = [(x, copy_state(x)) for x in (llm, sched, llm.block_manager, llm.events)]
+        # the requests and their sequences, by the hundred: their attributes, with a copy of the
+        # short lists a step edits (a fork appends to a request's sequences, a finish moves one
+        # to its finished; copy-on-write and swaps rewrite a block table), random streams cloned
+        self.states += [(r, dict(copy_state(r, "seqs", "finished", "hypotheses"),
+            generators=[g.clone_state() for g in r.generators])) for r in requests]
+        self.states += [(s, copy_state(s, "block_table")) for r in requests for s in r.seqs]
+        # and of a sequence's tokens, which a step only appends to, the count, to cut them back
+        # to: a copy would cost them whole, every step. (Its hash chain needs no cut: a step hashes
+        # only blocks whose tokens were all there before it. A prompt never changes.)
+        self.lengths = [(s.token_ids, len(s)) for r in requests for s in r.seqs]
 
     def restore(self):   # (called by recovery(), which holds Ctrl-C until it is done)
         sched, bm = self.llm.scheduler, self.llm.block_manager
@@ -1618,8 +1630,8 @@ class Undo:
             unmade |= self.llm.copy_engine.finish()
         for obj, state in self.states:   # bm.copies too: empty, as every step starts
             vars(obj).update(state)
-        for generator, state in self.random_states:
-            generator.set_state(state)
+        for token_ids, n in self.lengths:   # the tokens the step appended, cut off
+            del token_ids[n:]
         holders = sorted(sched.running + sched.swapped, key=lambda r: r.request_id, reverse=True)
         sched.running, sched.swapped = [], []
         for request in holders:   # the newest first, so that the oldest ends in front
