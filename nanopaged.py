@@ -1812,6 +1812,10 @@ class PriorityScheduler(Scheduler):
         batch = super().schedule()
         # passed over this step, they age: a step more each
         self.num_steps_waited.update(r.request_id for r in [*self.waiting, *self.swapped])
+        # a request in no line has finished: its count goes, for the undo copies the count each
+        # step (kept, it would grow with every request ever served)
+        live = {r.request_id for r in [*self.waiting, *self.running, *self.swapped]}
+        self.num_steps_waited = Counter({i: self.num_steps_waited[i] for i in live})
         self.waiting = deque(sorted(self.waiting, key=self.rank))   # aged, they may move up
         self.swapped.sort(key=self.rank)
         return batch
