@@ -777,11 +777,12 @@ CompletionOutput = namedtuple("CompletionOutput", "index token_ids text finish_r
 # events it caused, the metrics after it (stats()), and how long it took in seconds
 StepReport = namedtuple("StepReport", "step batch events stats seconds")
 
-def sample(logits, request, i):
-    """One token for sample i of request. logits: (vocab,) float32 on the CPU."""
+def sample(logits, request, i, best):
+    """One token for sample i of request. logits: (vocab,) float32 on the CPU; best: its argmax,
+    the greedy pick (the engine takes every row's in one call, not one call a row)."""
     params = request.params
     if params.temperature == 0:
-        return int(logits.argmax())
+        return best
     logits = logits / params.temperature
     if params.top_k:
         kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
@@ -951,14 +952,15 @@ class LLM:
         # 3. the model writes every new token's K/V into its slot and returns logits to sample
         logits = self.model(model_batch, self.kv_cache).cpu()   # (len(to_sample), vocab) float32
         # 4. sampling, each sample from its own random stream (an n>1 request's first token: n
-        #    draws, it forks on them in postprocess); a beam keeps its log-probs for step 6
+        #    draws, it forks on them in postprocess); a beam keeps its log-probs for step 6. The
+        #    greedy picks, every row's argmax, come from one call
         sampled = {}
-        for (request, seq), row in zip(to_sample, logits):
+        for (request, seq), row, best in zip(to_sample, logits, logits.argmax(-1).tolist()):
             if request.is_beam_search:
                 seq.logprobs = row.log_softmax(-1)
             else:
                 samples = [seq.index] if request.past_first_token else range(request.params.n)
-                sampled[seq] = [sample(row, request, i) for i in samples]
+                sampled[seq] = [sample(row, request, i, best) for i in samples]
         # 5. metrics (the prefill tokens computed are counted in _prepare), then the scheduler
         #    advances the sequences
         self.num_generated_tokens += sum(len(t) for t in sampled.values())
