@@ -557,9 +557,10 @@ class ScheduledBatch:
     entries: list = field(default_factory=list)   # ScheduledSeq of each sequence that runs
     slot_mapping: list = field(default_factory=list)   # each token's slot (LLM._prepare fills it)
 
-    @property
-    def num_tokens(self):
-        return sum(e.num_new_tokens for e in self.entries)
+    def __post_init__(self):
+        # the entries' tokens, kept as entries come and go: a sum at every add (and is_full) would
+        # make scheduling quadratic in the batch's sequences
+        self.num_tokens = sum(e.num_new_tokens for e in self.entries)
 
     @property
     def is_full(self):
@@ -569,9 +570,11 @@ class ScheduledBatch:
         # a prompt longer than what is left of the budget is computed in chunks (chunked prefill)
         chunk = min(len(seq) - seq.num_computed_tokens, self.budget - self.num_tokens)
         self.entries.append(ScheduledSeq(request, seq, chunk))
+        self.num_tokens += chunk
 
     def remove(self, request):
         self.entries = [e for e in self.entries if e.request is not request]
+        self.num_tokens = sum(e.num_new_tokens for e in self.entries)
 
 class Scheduler:
     """First come, first served continuous batching of requests under a token budget per step
@@ -774,11 +777,12 @@ CompletionOutput = namedtuple("CompletionOutput", "index token_ids text finish_r
 # events it caused, the metrics after it (stats()), and how long it took in seconds
 StepReport = namedtuple("StepReport", "step batch events stats seconds")
 
-def sample(logits, request, i):
-    """One token for sample i of request. logits: (vocab,) float32 on the CPU."""
+def sample(logits, request, i, best):
+    """One token for sample i of request. logits: (vocab,) float32 on the CPU; best: its argmax,
+    the greedy pick (the engine takes every row's in one call, not one call a row)."""
     params = request.params
     if params.temperature == 0:
-        return int(logits.argmax())
+        return best
     logits = logits / params.temperature
     if params.top_k:
         kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
@@ -948,14 +952,15 @@ class LLM:
         # 3. the model writes every new token's K/V into its slot and returns logits to sample
         logits = self.model(model_batch, self.kv_cache).cpu()   # (len(to_sample), vocab) float32
         # 4. sampling, each sample from its own random stream (an n>1 request's first token: n
-        #    draws, it forks on them in postprocess); a beam keeps its log-probs for step 6
+        #    draws, it forks on them in postprocess); a beam keeps its log-probs for step 6. The
+        #    greedy picks, every row's argmax, come from one call
         sampled = {}
-        for (request, seq), row in zip(to_sample, logits):
+        for (request, seq), row, best in zip(to_sample, logits, logits.argmax(-1).tolist()):
             if request.is_beam_search:
                 seq.logprobs = row.log_softmax(-1)
             else:
                 samples = [seq.index] if request.past_first_token else range(request.params.n)
-                sampled[seq] = [sample(row, request, i) for i in samples]
+                sampled[seq] = [sample(row, request, i, best) for i in samples]
         # 5. metrics (the prefill tokens computed are counted in _prepare), then the scheduler
         #    advances the sequences
         self.num_generated_tokens += sum(len(t) for t in sampled.values())
@@ -1303,11 +1308,15 @@ def engine_stats(llm):   # LLM.stats(): fractions and counts, named as vLLM name
     bm = llm.block_manager
     used = bm.num_used_blocks()
     # the token slots holding K/V in each used block, a shared block's counted once
-    filled = {}   # block id -> its slots filled (the most any holder has written)
+    filled = {}   # block id -> its slots filled (as many for each of its holders: see below)
     for seq in bm.device.seqs.values():
-        for i, block_id in enumerate(seq.block_table):
-            n = min(bm.block_size, max(0, seq.num_written_tokens - i * bm.block_size))
-            filled[block_id] = max(filled.get(block_id, 0), n)
+        # the blocks it has written whole, then the next one's slots written if it has that block
+        # (the blocks after it hold none), each a dict update at C speed. Every holder of a shared
+        # block has written as much of it (nobody writes a shared block but a leader, and the
+        # samples that wait for it count only what it wrote): the holder counted last counts right
+        num_full, last = divmod(seq.num_written_tokens, bm.block_size)
+        filled.update(dict.fromkeys(seq.block_table[:num_full], bm.block_size))
+        filled.update(dict.fromkeys(seq.block_table[num_full:num_full + 1], last))
     waited = llm.copy_engine.copy_wait_seconds if llm.copy_engine else llm.links.busy_seconds
     c = bm.counts   # the block manager's counts, under these names (BlockManager.__init__)
     return {
@@ -1486,7 +1495,8 @@ class CopyEngine:
         return batch
 
     def loading(self, request):   # the copies (Futures) its device blocks still wait for:
-        mine = {("device", b) for s in request.seqs for b in s.block_table}
+        # (with no copy queued, none: its blocks go unlisted, as every step asks of every request)
+        mine = {("device", b) for s in request.seqs for b in s.block_table} if self.started else ()
         # those that write one, or read one evicted (unregistered: the step may write it); not a
         # write-ahead's, which reads a registered block: K/V that never change, the step's too
         return {f for f, (src, i, dst, j) in self.started.items() if not f.done() and
@@ -1588,20 +1598,32 @@ def open_disk_pool(path, shape, dtype):
 # a recompute finds its full blocks there; a block whose queued copy was never made is dropped.
 # recovery() runs the undo (and generate()'s drop of its requests); a second Ctrl-C waits for it.
 
-def copy_state(obj):   # an object's attributes; the lists, deques, Counters a step edits, copied
-    return {k: v.copy() if isinstance(v, (list, deque, Counter)) else v
-            for k, v in vars(obj).items()}
+def copy_state(obj, *edited):   # obj's attributes, with a copy of each list named in edited
+    # (none named: of every list, deque and Counter it has)
+    edited = edited or [k for k, v in vars(obj).items() if isinstance(v, (list, deque, Counter))]
+    return dict(vars(obj), **{k: getattr(obj, k).copy() for k in edited})
 
 class Undo:
+    """What a step can change, as it was before it, and no more: the record grows with the
+    requests the step can touch, not with their lengths (nor with the pool's size)."""
+
     def __init__(self, llm):
         self.llm, sched = llm, llm.scheduler
         room = sched.max_num_seqs - sum(r.max_num_running_seqs for r in sched.running)
         waiting = itertools.islice(sched.waiting, max(0, room) + 1)   # those it can admit, or try
         requests = [*sched.running, *sched.swapped, *waiting]   # the requests it can touch
-        objects = [llm, sched, llm.block_manager, llm.events, *requests,
-                   *(s for r in requests for s in r.seqs)]
-        self.states = [(obj, copy_state(obj)) for obj in objects]
-        self.random_states = [(g, g.get_state()) for r in requests for g in r.generators]
+        # the engine's objects, a few: their attributes, every list, deque and Counter copied
+        self.states = [(x, copy_state(x)) for x in (llm, sched, llm.block_manager, llm.events)]
+        # the requests and their sequences, by the hundred: their attributes, with a copy of the
+        # short lists a step edits (a fork appends to a request's sequences, a finish moves one
+        # to its finished; copy-on-write and swaps rewrite a block table), random streams cloned
+        self.states += [(r, dict(copy_state(r, "seqs", "finished", "hypotheses"),
+            generators=[g.clone_state() for g in r.generators])) for r in requests]
+        self.states += [(s, copy_state(s, "block_table")) for r in requests for s in r.seqs]
+        # and of a sequence's tokens, which a step only appends to, the count, to cut them back
+        # to: a copy would cost them whole, every step. (Its hash chain needs no cut: a step hashes
+        # only blocks whose tokens were all there before it. A prompt never changes.)
+        self.lengths = [(s.token_ids, len(s)) for r in requests for s in r.seqs]
 
     def restore(self):   # (called by recovery(), which holds Ctrl-C until it is done)
         sched, bm = self.llm.scheduler, self.llm.block_manager
@@ -1610,8 +1632,8 @@ class Undo:
             unmade |= self.llm.copy_engine.finish()
         for obj, state in self.states:   # bm.copies too: empty, as every step starts
             vars(obj).update(state)
-        for generator, state in self.random_states:
-            generator.set_state(state)
+        for token_ids, n in self.lengths:   # the tokens the step appended, cut off
+            del token_ids[n:]
         holders = sorted(sched.running + sched.swapped, key=lambda r: r.request_id, reverse=True)
         sched.running, sched.swapped = [], []
         for request in holders:   # the newest first, so that the oldest ends in front
@@ -1792,6 +1814,10 @@ class PriorityScheduler(Scheduler):
         batch = super().schedule()
         # passed over this step, they age: a step more each
         self.num_steps_waited.update(r.request_id for r in [*self.waiting, *self.swapped])
+        # a request in no line has finished: its count goes, for the undo copies the count each
+        # step (kept, it would grow with every request ever served)
+        live = {r.request_id for r in [*self.waiting, *self.running, *self.swapped]}
+        self.num_steps_waited = Counter({i: self.num_steps_waited[i] for i in live})
         self.waiting = deque(sorted(self.waiting, key=self.rank))   # aged, they may move up
         self.swapped.sort(key=self.rank)
         return batch

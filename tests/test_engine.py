@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import assert_no_block_held, checked, hf_greedy, running_seqs
-from nanopaged import LLM, SamplingParams
+from nanopaged import LLM, SamplingParams, ScheduledBatch
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32)
 PROMPTS = [
@@ -187,4 +187,30 @@ def test_bad_input_raises_and_engine_keeps_serving(case):
                                                                   n=4 if case == "pool too small" else 1))
     assert not llm.scheduler.waiting and not llm.scheduler.running and llm.stats() == stats
     assert llm.generate([ids(9, 10)], good)[0].outputs[0].token_ids == want
+    assert_no_block_held(llm)
+
+
+def test_a_batch_counts_its_tokens_as_entries_come_and_go():
+    """A step's batch keeps the count of its tokens as it grows and as preemption takes entries
+    back out: the count is the sum of its entries' new tokens, within the budget, every step."""
+    llm = tiny(block_size=4, num_blocks=13, max_num_batched_tokens=16, preemption_mode="recompute")
+    removed = []
+    remove = ScheduledBatch.remove
+
+    def counted_remove(batch, request):   # (how many entries a removal takes out)
+        before = len(batch.entries)
+        remove(batch, request)
+        removed.append(before - len(batch.entries))
+
+    counts = []
+    llm.on_step.append(lambda report: counts.append(
+        (report.batch.num_tokens, sum(e.num_new_tokens for e in report.batch.entries))))
+    params = SamplingParams(temperature=0.8, n=2, max_tokens=12, ignore_eos=True, seed=3)
+    try:
+        ScheduledBatch.remove = counted_remove
+        llm.generate([ids(i, 9) for i in range(4)], params)
+    finally:
+        ScheduledBatch.remove = remove
+    assert llm.stats()["num_preemptions"] > 0 and any(removed)   # entries were taken back out
+    assert all(n == total <= 16 for n, total in counts)
     assert_no_block_held(llm)

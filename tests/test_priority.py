@@ -244,3 +244,22 @@ def test_bad_policy_arguments_are_value_errors(kwargs, message):
 def test_priority_scheduler_is_chosen_by_the_policy():
     assert isinstance(engine().scheduler, PriorityScheduler)
     assert not isinstance(engine("fcfs").scheduler, PriorityScheduler)
+
+
+def test_a_finished_request_leaves_the_aging_counts():
+    """The steps waited are kept for the requests in a line only: the step after a request has
+    finished forgets its count (the undo copies the count every step, so it must not grow with
+    every request ever served)."""
+    llm = engine(aging=2, max_num_seqs=1)   # one at a time: the others wait, and age
+    first = llm.add_requests([ids(i, 6) for i in range(3)], greedy(4), priority=[1, 0, 0])
+    while llm.scheduler.has_unfinished():
+        llm.step()
+    assert sum(llm.scheduler.num_steps_waited[r] for r in first) > 0   # they were counted
+    [later] = llm.add_requests([ids(9, 6)], greedy(4), priority=[0])
+    llm.step()
+    assert set(llm.scheduler.num_steps_waited) == {later}
+    while llm.scheduler.has_unfinished():
+        llm.step()
+    for r in [*first, later]:
+        llm.output(r)
+    assert_no_block_held(llm)
