@@ -59,7 +59,8 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_s
         # 1. the gather is where paging shows: logical block j of a sequence is physical
         #    tables[j]; each context comes out in order, whole blocks (the mask hides the slots
         #    past its end), padded to the longest
-        ids = tables.flatten().long()
+        ids = tables.flatten().long()                          # (seqs * blocks,)
+        # k, v: (seqs, ctx, kv_heads, dim), ctx a whole number of blocks
         k = k_cache.flatten(1).index_select(0, ids).view(n, -1, *k_cache.shape[2:])
         v = v_cache.flatten(1).index_select(0, ids).view(n, -1, *v_cache.shape[2:])
         if k.dtype == torch.int8:   # kv_cache_dtype="int8": what was gathered, back to floats

@@ -78,7 +78,7 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, k_cache, v_cache, batch):
         # x: (num_tokens, hidden); caches: (num_blocks, block_size, kv_heads, head_dim)
-        qkv = self.qkv_proj(x).split(self.sizes, dim=-1)
+        qkv = self.qkv_proj(x).split(self.sizes, dim=-1)   # (T, heads * dim), K and V (T, kv * dim)
         q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in qkv)   # (T, heads, head_dim)
         q, k = rotary(q, cos, sin), rotary(k, cos, sin)   # (k, v: (T, kv_heads, head_dim))
         # 1. every new token's K and V go into its slot, all of them before any query reads;
