@@ -29,10 +29,13 @@ and aging, 12. the live view, 13. the command line and its demos.
     python nanopaged.py --help           the demos and the knobs (block size, pools, preemption)
 """
 import argparse
+import array
+import atexit
 import bisect
 import concurrent.futures
 import contextlib
 import functools
+import gc
 import itertools
 import math
 import os
@@ -795,6 +798,11 @@ def sample(logits, request, i, best):
         logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
     return int(torch.multinomial(logits.softmax(-1), 1, generator=request.generators[i]))
 
+def as_tensor(values, dtype, device):
+    """torch.tensor(values, dtype=dtype, device=device) for a list of ints, through an array:
+    torch.tensor reads a list an element at a time (~60 ns each, thousands a step), not so this."""
+    buffer = array.array("q", [*values, 0])   # (one more: frombuffer takes no empty buffer)
+    return torch.frombuffer(buffer, dtype=torch.long)[:-1].to(device, dtype)
 
 class LLM:
     """The engine: owns the model, the KV cache pools, the block manager and the scheduler.
@@ -863,6 +871,10 @@ class LLM:
         self.num_steps = 0
         self.num_prefill_tokens_computed = 0
         self.num_generated_tokens = 0
+        # as vLLM does after start-up (freeze_gc_heap): what exists now (the imports, the model)
+        # leaves the garbage collector's full scans: ~0.2 s each on a CPU, in the middle of a step
+        gc.freeze()
+        atexit.register(gc.unfreeze)   # (at exit all of it goes back, to the last collection)
 
     # -- requests in
     def add_requests(self, prompts, params=None, kind=SamplingParams, priority=None):
@@ -1007,16 +1019,17 @@ class LLM:
                 to_sample.append((request, seq))
         tables = [e.seq.block_table for e in batch.entries]
         max_blocks = max(map(len, tables))
-        block_tables = [t + [0] * (max_blocks - len(t)) for t in tables]   # padding is masked
-        int64 = dict(dtype=torch.long, device=self.device)
-        int32 = dict(dtype=torch.int32, device=self.device)
-        model_batch = Batch(input_ids=torch.tensor(input_ids, **int64),
-                            positions=torch.tensor(positions, **int64),
-                            slot_mapping=torch.tensor(batch.slot_mapping, **int64),
-                            block_tables=torch.tensor(block_tables, **int32),
-                            context_lens=torch.tensor(context_lens, **int32),
-                            query_start_loc=torch.tensor(query_start_loc, **int32),
-                            logits_indices=torch.tensor(logits_indices, **int64),
+        # the block tables row after row, each padded to the longest (the padding is masked)
+        block_tables = [b for t in tables for b in t + [0] * (max_blocks - len(t))]
+        int64 = functools.partial(as_tensor, dtype=torch.long, device=self.device)
+        int32 = functools.partial(as_tensor, dtype=torch.int32, device=self.device)
+        model_batch = Batch(input_ids=int64(input_ids),
+                            positions=int64(positions),
+                            slot_mapping=int64(batch.slot_mapping),
+                            block_tables=int32(block_tables).view(len(tables), max_blocks),
+                            context_lens=int32(context_lens),
+                            query_start_loc=int32(query_start_loc),
+                            logits_indices=int64(logits_indices),
                             max_query_len=max(e.num_new_tokens for e in batch.entries),
                             max_context_len=max(context_lens))
         return model_batch, to_sample
@@ -1476,6 +1489,8 @@ class CopyEngine:
                 self.in_flight.update(dict.fromkeys(keys, future))
                 self.started[future] = copies[0]
             copies.popleft()
+        if not self.started:   # no copy queued or on its way: nobody waits for one
+            return batch
         waits = {e.request: self.loading(e.request) for e in batch.entries}
         if waits and all(waits.values()):   # nobody can run: until the first of them can
             self.wait(*waits.values())
@@ -1600,8 +1615,10 @@ def open_disk_pool(path, shape, dtype):
 
 def copy_state(obj, *edited):   # obj's attributes, with a copy of each list named in edited
     # (none named: of every list, deque and Counter it has)
-    edited = edited or [k for k, v in vars(obj).items() if isinstance(v, (list, deque, Counter))]
-    return dict(vars(obj), **{k: getattr(obj, k).copy() for k in edited})
+    state = vars(obj).copy()
+    for name in edited or [k for k, v in state.items() if isinstance(v, (list, deque, Counter))]:
+        state[name] = state[name].copy()
+    return state
 
 class Undo:
     """What a step can change, as it was before it, and no more: the record grows with the
@@ -1617,8 +1634,9 @@ class Undo:
         # the requests and their sequences, by the hundred: their attributes, with a copy of the
         # short lists a step edits (a fork appends to a request's sequences, a finish moves one
         # to its finished; copy-on-write and swaps rewrite a block table), random streams cloned
-        self.states += [(r, dict(copy_state(r, "seqs", "finished", "hypotheses"),
-            generators=[g.clone_state() for g in r.generators])) for r in requests]
+        self.states += [(r, copy_state(r, "seqs", "finished", "hypotheses")) for r in requests]
+        self.states += [(r, {"generators": [g.clone_state() for g in r.generators]})
+                        for r in requests if r.generators]
         self.states += [(s, copy_state(s, "block_table")) for r in requests for s in r.seqs]
         # and of a sequence's tokens, which a step only appends to, the count, to cut them back
         # to: a copy would cost them whole, every step. (Its hash chain needs no cut: a step hashes
