@@ -165,8 +165,8 @@ def prefix(args):
     arrives every other step. TTFT: from add_requests to the first token."""
     rows = []
     for caching in (True, False):
-        llm = engine(args, enable_prefix_caching=caching,
-                  num_blocks=args.num_requests * 27)   # 412 + 16 tokens: 27 blocks, room for all
+        # 412 + 16 tokens: 27 blocks a request, room for all
+        llm = engine(args, enable_prefix_caching=caching, num_blocks=args.num_requests * 27)
         text = corpus(llm)
         prompts = [text[:400] + text[1000 + 37 * i:1012 + 37 * i] for i in range(args.num_requests)]
         params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

@@ -7,7 +7,8 @@ into the slot the block manager gave it, and attends through block tables (kerne
 whole contract between an inference engine's memory system and its model.
 
 Read it in order: the shape presets, the layers (RMSNorm, rotary embeddings, grouped-query
-attention, SwiGLU), the forward pass where the reading path ends; then weight loading.
+attention, SwiGLU), the forward pass where the reading path ends; then Linear's CPU path and
+weight loading.
 """
 import dataclasses
 import functools
@@ -158,20 +159,21 @@ class Llama(nn.Module):
         return self.lm_head(self.norm(x[batch.logits_indices])).float()   # (num_sampled, vocab)
 
 # ==============================================================================================
-# reading path ends here; below, weight loading: transformers reads the files, we take its tensors
+# reading path ends here; below, Linear's CPU path, then weight loading from transformers' tensors
 # ==============================================================================================
 
 class Linear(nn.Linear):
     """nn.Linear; on a CPU, a few rows (a decode step's) as (W @ x.T).T, never one row alone. On
     this project's machines (AMD EPYC, MKL, float32) MKL streams the weight 1.4-3x faster in that
     layout than for x @ W.T at 2-64 rows, and a single row takes its matrix-vector path, 2x
-    slower than two rows: decode steps 1.2-1.8x faster. Bigger batches are compute-bound: as is."""
+    slower than two rows: decode steps 1.2-1.8x faster. Bigger batches are compute-bound: as is.
+    The result is contiguous, as nn.Linear's (the Triton kernel takes a head's values in a row)."""
 
     def forward(self, x):   # x: (num_tokens, in_features)
         if x.device.type != "cpu" or len(x) > 64:
             return super().forward(x)
         rows = torch.cat([x, x]) if len(x) == 1 else x
-        return (self.weight @ rows.T)[:, :len(x)].T   # (num_tokens, out_features), a view
+        return (self.weight @ rows.T)[:, :len(x)].T.contiguous()   # (num_tokens, out_features)
 
 
 # transformers' names for the ModelConfig fields it names differently

@@ -170,9 +170,7 @@ class Request:
     def max_num_running_seqs(self):
         """What the request counts against max_num_seqs: n (or beam_width) from its admission on,
         so that its forks always fit; once its samples have forked, the ones still live."""
-        if self.is_beam_search or not self.past_first_token:
-            return self.params.n
-        return len(self.seqs)
+        return self.params.n if self.is_beam_search or not self.past_first_token else len(self.seqs)
 
 # ----------------------------------------------------------------------------------------------
 # 2. The block pools: three tiers of one block shape
@@ -441,7 +439,6 @@ class BlockManager:
             self.counts["num_cow_copies"] += 1
             self.events.record("copy", [seq.seq_id], [src.block_id], to_ids=[dst])
             return src.block_id, dst
-        return None
 
     def fork(self, parent, child, num_blocks=None):
         """child shares parent's first num_blocks blocks (all by default): no K/V copied, their
@@ -499,8 +496,8 @@ class BlockManager:
     # -- swapping: a request's sequences move between the device and the host together, each
     #    distinct block once, so that the blocks they share stay shared
     def can_swap_out(self, *seqs):
-        distinct = {b for s in seqs for b in s.block_table}
-        return len(distinct) <= self.host.num_free_blocks   # cached host blocks go down to disk
+        # each distinct block once (cached host blocks go down to disk)
+        return len({b for s in seqs for b in s.block_table}) <= self.host.num_free_blocks
 
     def can_swap_in(self, *seqs, watermark=0):
         """Room for the distinct blocks and what the next step writes: a new block for each whose
@@ -608,9 +605,6 @@ class Scheduler:
     def enqueue(self, line, request):   # into waiting, running or swapped, in rank order
         bisect.insort(line, request, key=self.rank)
 
-    def _fits(self, request):
-        return sum(r.max_num_running_seqs for r in [*self.running, request]) <= self.max_num_seqs
-
     def _watermark(self):   # with nothing running no decode can starve: a request may fill the pool
         return self.watermark_blocks if self.running else 0
 
@@ -654,7 +648,8 @@ class Scheduler:
         #    overtakes a preempted request), then the waiting requests, first come first served
         while request := self._next_in_line(batch):
             leader, *others = request.seqs
-            if not self._fits(request):
+            # its sequences (all it may fork) beside the running ones' must fit in max_num_seqs
+            if sum(r.max_num_running_seqs for r in [*self.running, request]) > self.max_num_seqs:
                 break
             # a swapped request's swap-in may start though the step has no budget left: prefetch
             if request.status is RequestStatus.SWAPPED:
@@ -801,8 +796,8 @@ def sample(logits, request, i, best):
 def as_tensor(values, dtype, device):
     """torch.tensor(values, dtype=dtype, device=device) for a list of ints, through an array:
     torch.tensor reads a list an element at a time (~60 ns each, thousands a step), not so this."""
-    buffer = array.array("q", [*values, 0])   # (one more: frombuffer takes no empty buffer)
-    return torch.frombuffer(buffer, dtype=torch.long)[:-1].to(device, dtype)
+    # (one more value, cut off after: frombuffer takes no empty buffer)
+    return torch.frombuffer(array.array("q", [*values, 0]), dtype=torch.long)[:-1].to(device, dtype)
 
 class LLM:
     """The engine: owns the model, the KV cache pools, the block manager and the scheduler.
@@ -858,8 +853,7 @@ class LLM:
         self.on_step = [cost.observe]
         self.events = EventLog()   # what happened, as records (section 7)
         self.block_manager = BlockManager(num_blocks, block_size, num_cpu_blocks,
-                                          enable_prefix_caching, self.events, num_disk_blocks,
-                                          cost)
+                                          enable_prefix_caching, self.events, num_disk_blocks, cost)
         # "priority": the lines ordered by each request's priority, aged (section 11)
         policy = Scheduler if scheduling_policy == "fcfs" else functools.partial(
             PriorityScheduler, aging_steps=priority_aging_steps)
@@ -1060,7 +1054,6 @@ def is_number(x):   # a finite int or float
 MIN_TEMPERATURE = 0.01   # logits / temperature overflow float32 near 1e-38; 0 means greedy
 MIN_TOP_P = 1e-6         # top_p is compared with float32 probabilities, where 1e-300 is 0
 MAX_LENGTH_PENALTY = 10  # 131072 ** 10 is about 1e51: no overflow, no division by zero
-MAX_DELAY = 60           # --delay at most, in seconds a step (and per event)
 FLOATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # every parameter of LLM, SamplingParams and BeamSearchParams checked on its own: (is a value
@@ -1298,8 +1291,7 @@ EVENT_WORDS = {   # the plain words of each kind of event, for the live view and
 class Event(namedtuple("Event", "step kind seq_ids block_ids tier to_ids to_tier details")):
 
     def words(self):
-        tiers = dict(tier=getattr(self.tier, "name", None),
-                     to_tier=getattr(self.to_tier, "name", None))
+        tiers = {k: getattr(getattr(self, k), "name", None) for k in ("tier", "to_tier")}
         return EVENT_WORDS[self.kind].format(seqs=_ids(self.seq_ids), blocks=_ids(self.block_ids),
                                              to=_ids(self.to_ids), **tiers, **self.details)
 
@@ -1308,8 +1300,7 @@ class EventLog:   # what the block manager and the scheduler did, taken after ea
     step: int = 0   # the step the engine is in, stamped on each record
     records: list = field(default_factory=list)   # of Event
 
-    def record(self, kind, seq_ids=(), block_ids=(), tier=None, to_ids=(), to_tier=None,
-               **details):
+    def record(self, kind, seq_ids=(), block_ids=(), tier=None, to_ids=(), to_tier=None, **details):
         self.records.append(Event(self.step, kind, tuple(seq_ids), tuple(block_ids), tier,
                                   tuple(to_ids), to_tier, details))
 
@@ -1324,12 +1315,12 @@ def engine_stats(llm):   # LLM.stats(): fractions and counts, named as vLLM name
     filled = {}   # block id -> its slots filled (as many for each of its holders: see below)
     for seq in bm.device.seqs.values():
         # the blocks it has written whole, then the next one's slots written if it has that block
-        # (the blocks after it hold none), each a dict update at C speed. Every holder of a shared
-        # block has written as much of it (nobody writes a shared block but a leader, and the
-        # samples that wait for it count only what it wrote): the holder counted last counts right
+        # (zip stops at the shorter: the blocks after it hold none), one dict update at C speed.
+        # Every holder of a shared block has written as much of it (nobody writes a shared block
+        # but a leader, and the samples that wait for it count only what it wrote): the holder
+        # counted last counts right
         num_full, last = divmod(seq.num_written_tokens, bm.block_size)
-        filled.update(dict.fromkeys(seq.block_table[:num_full], bm.block_size))
-        filled.update(dict.fromkeys(seq.block_table[num_full:num_full + 1], last))
+        filled.update(zip(seq.block_table, [bm.block_size] * num_full + [last]))
     waited = llm.copy_engine.copy_wait_seconds if llm.copy_engine else llm.links.busy_seconds
     c = bm.counts   # the block manager's counts, under these names (BlockManager.__init__)
     return {
@@ -1489,9 +1480,8 @@ class CopyEngine:
                 self.in_flight.update(dict.fromkeys(keys, future))
                 self.started[future] = copies[0]
             copies.popleft()
-        if not self.started:   # no copy queued or on its way: nobody waits for one
-            return batch
-        waits = {e.request: self.loading(e.request) for e in batch.entries}
+        # (no copy queued or on its way: nobody waits for one)
+        waits = {e.request: self.loading(e.request) for e in batch.entries} if self.started else {}
         if waits and all(waits.values()):   # nobody can run: until the first of them can
             self.wait(*waits.values())
         unmade = {f for f in self.started if not f.done()}   # one moment for what has arrived
@@ -1615,10 +1605,8 @@ def open_disk_pool(path, shape, dtype):
 
 def copy_state(obj, *edited):   # obj's attributes, with a copy of each list named in edited
     # (none named: of every list, deque and Counter it has)
-    state = vars(obj).copy()
-    for name in edited or [k for k, v in state.items() if isinstance(v, (list, deque, Counter))]:
-        state[name] = state[name].copy()
-    return state
+    edited = edited or [k for k, v in vars(obj).items() if isinstance(v, (list, deque, Counter))]
+    return vars(obj) | {k: getattr(obj, k).copy() for k in edited}
 
 class Undo:
     """What a step can change, as it was before it, and no more: the record grows with the
@@ -1764,13 +1752,12 @@ def beam_round(scheduler, request):   # one round, as above; returns how many to
     chosen = sorted(live, key=lambda c: c.cum_logprob, reverse=True)[:params.beam_width]
     for beam in list(request.seqs):   # fork first (a child copies its parent's tokens)...
         picks = [c for c in chosen if c.beam is beam]
-        if not picks:
-            scheduler.finish(request, beam, "pruned")
-            continue
         family = [beam] + [scheduler.fork_seq(request, beam) for _ in picks[1:]]
         for child, pick in zip(family, picks):   # ... then append
             child.append_token(pick.token)
             child.cum_logprob = pick.cum_logprob
+        if not picks:   # not chosen (no fork, no token above): it ends
+            scheduler.finish(request, beam, "pruned")
     if request.seqs and request.seqs[0].num_output_tokens >= params.max_tokens:
         for beam in list(request.seqs):   # out of tokens: the live beams end here
             hypothesis = BeamHypothesis(beam.output_token_ids, beam.cum_logprob, "length")
@@ -2171,12 +2158,11 @@ if __name__ == "__main__":
     # argparse gives it), over the demo's pool
     own = ("demo", "live", "trace", "delay", "watermark_blocks")
     given = {k: v for k, v in vars(args).items() if k not in own and v is not None}
-    kwargs = dict(demo_pool(args.demo, args.block_size), **given)
     try:   # bad input, ours as the engine's: a ValueError, told in one line before anything runs
-        require(0 <= args.delay <= MAX_DELAY, f"--delay must be in [0, {MAX_DELAY}] seconds")
+        require(0 <= args.delay <= 60, "--delay must be in [0, 60] seconds")   # as --help says
         require(args.live or args.trace or not args.delay, "--delay needs --live or --trace")
         require((args.watermark_blocks or 0) >= 0, "--watermark-blocks must be >= 0")   # or None
-        llm = LLM(**kwargs)
+        llm = LLM(**dict(demo_pool(args.demo, args.block_size), **given))
         if args.watermark_blocks is not None:   # (Scheduler's watermark: a fraction of the pool)
             llm.scheduler.watermark_blocks = args.watermark_blocks
         seconds = run_demo(llm, args.demo, args.live, args.trace, args.delay)
