@@ -795,7 +795,8 @@ def sample(logits, request, i, best):
 
 def as_tensor(values, dtype, device):
     """torch.tensor(values, dtype=dtype, device=device) for a list of ints, through an array:
-    torch.tensor reads a list an element at a time (~60 ns each, thousands a step), not so this."""
+    torch.tensor reads a list an element at a time (~60 ns each, thousands a step), frombuffer
+    takes the array's memory whole."""
     # (one more value, cut off after: frombuffer takes no empty buffer)
     return torch.frombuffer(array.array("q", [*values, 0]), dtype=torch.long)[:-1].to(device, dtype)
 
@@ -1500,8 +1501,7 @@ class CopyEngine:
         return batch
 
     def loading(self, request):   # the copies (Futures) its device blocks still wait for:
-        # (with no copy queued, none: its blocks go unlisted, as every step asks of every request)
-        mine = {("device", b) for s in request.seqs for b in s.block_table} if self.started else ()
+        mine = {("device", b) for s in request.seqs for b in s.block_table}
         # those that write one, or read one evicted (unregistered: the step may write it); not a
         # write-ahead's, which reads a registered block: K/V that never change, the step's too
         return {f for f, (src, i, dst, j) in self.started.items() if not f.done() and
