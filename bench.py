@@ -118,8 +118,7 @@ def memory(args):
     for size in (8, 16, 32, max_model_len):
         llm = LLM("random:tiny", block_size=size, max_model_len=max_model_len,
                   num_blocks=slots // size)
-        prompts, params = mixed_workload(llm, args.num_requests, sample_every=4)
-        _, _, seen = run(llm, prompts, params)
+        _, _, seen = run(llm, *mixed_workload(llm, args.num_requests, sample_every=4))
         wasted = [s["used_blocks"] * size * (1 - s["token_occupancy_perc"]) for s in seen]
         rows.append(["contiguous" if size == max_model_len else "paged", size,
                      mean(s["token_occupancy_perc"] for s in seen), round(mean(wasted)),

@@ -45,43 +45,51 @@ def store_kvcache(k, v, k_cache, v_cache, slot_mapping):
 def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale):
     """Shapes: see paged_attention_kernel. The decodes go in one batch, each prefill chunk alone:
     padded to the longest chunk, a decode's one query or a short chunk would multiply its work."""
-    block_size, num_kv_heads = k_cache.shape[1:3]
-    head_dim = q.shape[2]   # (an INT8 cache's rows are longer: their scales follow)
+    num_kv_heads, head_dim = k_cache.shape[2], q.shape[2]   # (INT8 rows: their scales follow)
     group = q.shape[1] // num_kv_heads                                  # query heads per K/V head
-    q_lens = query_start_loc.diff()                                     # (num_seqs,)
     out = torch.empty_like(q)
-    decodes, chunks = (q_lens == 1).nonzero().flatten(), (q_lens > 1).nonzero()
-    for members in [decodes, *chunks]:   # (seqs,) the batch's sequences: q_len new tokens each
-        if len(members) == 0:
-            continue
-        n, q_len, ctx = len(members), int(q_lens[members[0]]), context_lens[members]
-        tables = block_tables[members, :(int(ctx.max()) + block_size - 1) // block_size]
-        # 1. the gather is where paging shows: logical block j of a sequence is physical
-        #    tables[j]; each context comes out in order, whole blocks (the mask hides the slots
-        #    past its end), padded to the longest
-        ids = tables.flatten().long()                          # (seqs * blocks,)
-        # k, v: (seqs, ctx, kv_heads, dim), ctx a whole number of blocks
-        k = k_cache.flatten(1).index_select(0, ids).view(n, -1, *k_cache.shape[2:])
-        v = v_cache.flatten(1).index_select(0, ids).view(n, -1, *v_cache.shape[2:])
+    for ids, rows, mask in plan(block_tables, context_lens, query_start_loc, k_cache.shape[1]):
+        # 1. the gather is where paging shows: logical block j of a sequence is physical block
+        #    ids[j] (its table's); each context comes out in order, whole blocks (the mask hides
+        #    the slots past its end), padded to the longest. k, v: (seqs, ctx, kv_heads, dim)
+        k = k_cache.flatten(1).index_select(0, ids).view(len(rows), -1, *k_cache.shape[2:])
+        v = v_cache.flatten(1).index_select(0, ids).view(len(rows), -1, *v_cache.shape[2:])
         if k.dtype == torch.int8:   # kv_cache_dtype="int8": what was gathered, back to floats
             k, v = dequantize(k, q.dtype), dequantize(v, q.dtype)
-        # 2. each sequence's new tokens: rows qsl[i] .. qsl[i] + q_len - 1 of q
-        j = torch.arange(q_len, device=q.device)
-        rows = query_start_loc[members, None] + j                # (seqs, q_len)
-        # causal: row j sits at position ctx - q_len + j and sees keys 0 .. that position
-        q_pos = ctx[:, None] - q_len + j                         # (seqs, q_len)
-        mask = torch.arange(k.shape[1], device=q.device) <= q_pos[..., None]   # (seqs, q_len, ctx)
-        # 3. grouped-query attention as the kernel does it: the query heads that share a K/V
+        # 2. grouped-query attention as the kernel does it: the query heads that share a K/V
         #    head are more rows of one attention over that head's K and V.
         #    qg: (seqs, kv_heads, q_len, group, dim)
-        qg = q[rows].view(n, q_len, num_kv_heads, group, head_dim).transpose(1, 2)
+        qg = q[rows].view(*rows.shape, num_kv_heads, group, head_dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(qg.flatten(2, 3), k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=mask.repeat_interleave(group, 1)[:, None],
                                            scale=scale)         # (seqs, kv_heads, q * group, dim)
-        o = o.view(n, num_kv_heads, q_len, group, head_dim).transpose(1, 2)
-        # 4. back to the batch's flat order
+        o = o.view(len(rows), num_kv_heads, -1, group, head_dim).transpose(1, 2)
+        # 3. back to the batch's flat order
         out.index_copy_(0, rows.flatten(), o.reshape(-1, *q.shape[1:]))
     return out
+
+# tensors hash by identity: every layer of a step passes the same three, and the first computes
+# the plan for all (the cache holds them, so no later step's tensors can take their identities)
+@functools.lru_cache(maxsize=1)
+def plan(block_tables, context_lens, query_start_loc, block_size):
+    """The step's groups of sequences, the same in every layer: [(block ids to gather, the rows of
+    their new tokens in q, causal mask)], one group for all decodes, one for each prefill chunk."""
+    q_lens = query_start_loc.diff()                                     # (num_seqs,)
+    decodes, chunks = (q_lens == 1).nonzero().flatten(), (q_lens > 1).nonzero()
+    groups = []
+    # (seqs,) the group's sequences, q_len new tokens each (filter: no decodes, no group for them)
+    for members in filter(len, [decodes, *chunks]):
+        q_len, ctx = int(q_lens[members[0]]), context_lens[members]
+        tables = block_tables[members, :(int(ctx.max()) + block_size - 1) // block_size]
+        # each sequence's new tokens: rows qsl[i] .. qsl[i] + q_len - 1 of q
+        j = torch.arange(q_len, device=ctx.device)
+        rows = query_start_loc[members, None] + j                # (seqs, q_len)
+        # causal: row j sits at position ctx - q_len + j and sees keys 0 .. that position
+        q_pos = ctx[:, None] - q_len + j                         # (seqs, q_len)
+        keys = torch.arange(tables.shape[1] * block_size, device=ctx.device)
+        # block ids: (seqs * blocks,); mask: (seqs, q_len, ctx)
+        groups.append((tables.flatten().long(), rows, keys <= q_pos[..., None]))
+    return groups
 
 # ----------------------------------------------------------------------------------------------
 # The Triton kernel: one program per (sequence, KV head, tile of new tokens[, slice of context])
@@ -253,8 +261,7 @@ def quantize(x):
     scale = max |x| / 127 over the row (symmetric: 0 stays 0; -127 .. 127)."""
     x = x.float()
     scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 127   # (..., 1)
-    values = (x / scale).round().to(torch.int8)
-    return torch.cat((values, scale.view(torch.int8)), -1)
+    return torch.cat(((x / scale).round().to(torch.int8), scale.view(torch.int8)), -1)
 
 def dequantize(x, dtype):
     """(..., head_dim + 4) int8 -> (..., head_dim) in dtype: values times their row's scale."""

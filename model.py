@@ -170,9 +170,12 @@ class Linear(nn.Linear):
     and so the engine ~1.2x faster. Same sums in another order: results within float32 rounding."""
 
     def forward(self, x):   # x: (num_tokens, in_features)
-        if x.is_cpu and x.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        if not (x.is_cpu and x.dtype == torch.float32 and torch.backends.mkldnn.is_available()):
+            return super().forward(x)
+        if len(x) >= 8:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return super().forward(x)
+        rows = torch.cat([x, x]) if len(x) == 1 else x
+        return (self.weight @ rows.T)[:, :len(x)].T.contiguous()
 
 
 # transformers' names for the ModelConfig fields it names differently

@@ -377,9 +377,8 @@ class BlockManager:
         new device blocks for the rest of its tokens; the shared blocks' tokens count as computed
         (due from the leader, for a recomputed sample). seq now lives in the device pool."""
         seq.num_computed_tokens = min(len(seq), len(shared) * self.block_size)
-        seq.block_table = list(shared)
-        for _ in range(self._num_blocks_for(len(seq)) - len(shared)):
-            seq.block_table.append(self._allocate_block(self.device))
+        num_new = self._num_blocks_for(len(seq)) - len(shared)
+        seq.block_table = list(shared) + [self._allocate_block(self.device) for _ in range(num_new)]
         self.device.seqs[seq.seq_id] = seq
 
     def num_shared(self, leader, seq):
@@ -1810,10 +1809,8 @@ class PriorityScheduler(Scheduler):
         return request.priority - aged, request.request_id
 
     def _next_in_line(self, batch):   # the better ranked of the first swapped and first waiting
-        heads = self.swapped[:1]
-        if self.waiting and not batch.is_full:
-            heads.append(self.waiting[0])
-        return min(heads, key=self.rank, default=None)
+        first_waiting = [self.waiting[0]] if self.waiting and not batch.is_full else []
+        return min(self.swapped[:1] + first_waiting, key=self.rank, default=None)
 
     def schedule(self):
         batch = super().schedule()
