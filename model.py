@@ -163,11 +163,20 @@ class Llama(nn.Module):
 # ==============================================================================================
 
 class Linear(nn.Linear):
-    """nn.Linear; on a CPU in float32 through oneDNN (torch's mkldnn backend, which vLLM's CPU
-    backend builds on too) instead of MKL's sgemm, which nn.Linear takes. oneDNN picks its kernels
-    by the CPU's instruction set; on this project's machines (AMD EPYC, AVX-512) all the default
-    model's weights at 1/20/32/256 rows took 26/55/65/355 ms, MKL 43/90/110/430: decode steps
-    and so the engine ~1.2x faster. Same sums in another order: results within float32 rounding."""
+    """nn.Linear, but on a CPU in float32 not through MKL's sgemm, which nn.Linear takes. All the
+    default model's weights, on this project's machines (AMD EPYC, AVX-512, 2 threads), took:
+
+        rows             1     2     4    20    32   256
+        nn.Linear (MKL) 43    77    62    90   110   430 ms
+        oneDNN          26    29    34    55    65   355 ms
+        (W @ x.T).T     16    17    24    73    81   390 ms   (one row: padded to two)
+
+    So 8 rows and more (prefill, big decode batches) go to oneDNN (torch's mkldnn; vLLM's CPU
+    backend builds on oneDNN too), which picks its kernels by the instruction set; fewer (small
+    decode batches) to MKL's other layout, one row padded to two (its matrix-vector path is 2x
+    slower), the result made contiguous as nn.Linear's (the Triton kernel reads a head's values
+    as one row). The engine: ~1.2x faster. Same sums in another order: results within float32
+    rounding (greedy tokens as transformers', tests and bench)."""
 
     def forward(self, x):   # x: (num_tokens, in_features)
         if not (x.is_cpu and x.dtype == torch.float32 and torch.backends.mkldnn.is_available()):
