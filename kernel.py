@@ -49,9 +49,10 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_s
     group = q.shape[1] // num_kv_heads                                  # query heads per K/V head
     out = torch.empty_like(q)
     for ids, rows, mask in plan(block_tables, context_lens, query_start_loc, k_cache.shape[1]):
-        # 1. the gather is where paging shows: logical block j of a sequence is physical block
-        #    ids[j] (its table's); each context comes out in order, whole blocks (the mask hides
-        #    the slots past its end), padded to the longest. k, v: (seqs, ctx, kv_heads, dim)
+        # 1. the gather is where paging shows: ids are the group's block tables, flattened, so
+        #    logical block j of its i-th sequence is physical block ids[i * blocks + j]; each
+        #    context comes out in order, whole blocks (the mask hides the slots past its end),
+        #    padded to the longest. k, v: (seqs, ctx, kv_heads, dim)
         k = k_cache.flatten(1).index_select(0, ids).view(len(rows), -1, *k_cache.shape[2:])
         v = v_cache.flatten(1).index_select(0, ids).view(len(rows), -1, *v_cache.shape[2:])
         if k.dtype == torch.int8:   # kv_cache_dtype="int8": what was gathered, back to floats
