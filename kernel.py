@@ -48,7 +48,8 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_s
     num_kv_heads, head_dim = k_cache.shape[2], q.shape[2]   # (INT8 rows: their scales follow)
     group = q.shape[1] // num_kv_heads                                  # query heads per K/V head
     out = torch.empty_like(q)
-    for ids, rows, mask in plan(block_tables, context_lens, query_start_loc, k_cache.shape[1]):
+    groups = plan(block_tables, context_lens, query_start_loc, k_cache.shape[1], group)
+    for ids, rows, mask in groups:
         # 1. the gather is where paging shows: ids are the group's block tables, flattened, so
         #    logical block j of its i-th sequence is physical block ids[i * blocks + j]; each
         #    context comes out in order, whole blocks (the mask hides the slots past its end),
@@ -61,9 +62,9 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_s
         #    head are more rows of one attention over that head's K and V.
         #    qg: (seqs, kv_heads, q_len, group, dim)
         qg = q[rows].view(*rows.shape, num_kv_heads, group, head_dim).transpose(1, 2)
+        # o: (seqs, kv_heads, q_len * group, dim)
         o = F.scaled_dot_product_attention(qg.flatten(2, 3), k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=mask.repeat_interleave(group, 1)[:, None],
-                                           scale=scale)         # (seqs, kv_heads, q * group, dim)
+                                           attn_mask=mask, scale=scale)
         o = o.view(len(rows), num_kv_heads, -1, group, head_dim).transpose(1, 2)
         # 3. back to the batch's flat order
         out.index_copy_(0, rows.flatten(), o.reshape(-1, *q.shape[1:]))
@@ -72,9 +73,10 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_s
 # tensors hash by identity: every layer of a step passes the same three, and the first computes
 # the plan for all (the cache holds them, so no later step's tensors can take their identities)
 @functools.lru_cache(maxsize=1)
-def plan(block_tables, context_lens, query_start_loc, block_size):
+def plan(block_tables, context_lens, query_start_loc, block_size, group):
     """The step's groups of sequences, the same in every layer: [(block ids to gather, the rows of
-    their new tokens in q, causal mask)], one group for all decodes, one for each prefill chunk."""
+    their new tokens in q, causal mask)], one group for all decodes, one for each prefill chunk.
+    group: query heads per K/V head, each a row of the mask (as of the attention's queries)."""
     q_lens = query_start_loc.diff()                                     # (num_seqs,)
     decodes, chunks = (q_lens == 1).nonzero().flatten(), (q_lens > 1).nonzero()
     groups = []
@@ -88,8 +90,9 @@ def plan(block_tables, context_lens, query_start_loc, block_size):
         # causal: row j sits at position ctx - q_len + j and sees keys 0 .. that position
         q_pos = ctx[:, None] - q_len + j                         # (seqs, q_len)
         keys = torch.arange(tables.shape[1] * block_size, device=ctx.device)
-        # block ids: (seqs * blocks,); mask: (seqs, q_len, ctx)
-        groups.append((tables.flatten().long(), rows, keys <= q_pos[..., None]))
+        mask = (keys <= q_pos[..., None]).repeat_interleave(group, 1)   # (seqs, q_len * group, ctx)
+        # block ids: (seqs * blocks,); mask: (seqs, 1, q_len * group, ctx), one for all K/V heads
+        groups.append((tables.flatten().long(), rows, mask[:, None]))
     return groups
 
 # ----------------------------------------------------------------------------------------------

@@ -186,7 +186,6 @@ class Linear(nn.Linear):
         rows = torch.cat([x, x]) if len(x) == 1 else x
         return (self.weight @ rows.T)[:, :len(x)].T.contiguous()
 
-
 # transformers' names for the ModelConfig fields it names differently
 HF_NAMES = dict(num_layers="num_hidden_layers", num_heads="num_attention_heads",
                 num_kv_heads="num_key_value_heads")
