@@ -265,6 +265,7 @@ def quantize(x):
     scale = max |x| / 127 over the row (symmetric: 0 stays 0; -127 .. 127)."""
     x = x.float()
     scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 127   # (..., 1)
+    # the row: its values rounded to int8, then the 4 bytes of its float32 scale
     return torch.cat(((x / scale).round().to(torch.int8), scale.view(torch.int8)), -1)
 
 def dequantize(x, dtype):

@@ -184,7 +184,7 @@ class Linear(nn.Linear):
         if len(x) >= 8:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         rows = torch.cat([x, x]) if len(x) == 1 else x
-        return (self.weight @ rows.T)[:, :len(x)].T.contiguous()
+        return (self.weight @ rows.T)[:, :len(x)].T.contiguous()   # (num_tokens, out_features)
 
 # transformers' names for the ModelConfig fields it names differently
 HF_NAMES = dict(num_layers="num_hidden_layers", num_heads="num_attention_heads",
