@@ -260,13 +260,20 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
 # head_dim int8 values, then in 4 bytes the row's float32 scale: a block's scales are in its own
 # slice of the cache, so that every copy (copy-on-write, swap, write-down, load) moves them too.
 
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
 def quantize(x):
     """(..., head_dim) floats -> (..., head_dim + 4) int8: round(x / scale), then scale's bytes,
-    scale = max |x| / 127 over the row (symmetric: 0 stays 0; -127 .. 127)."""
+    scale = max |x| / 127 over the row's finite values (symmetric: 0 stays 0; -127 .. 127). An
+    inf saturates to +-127, a NaN becomes 0: the row's finite values stay finite."""
     x = x.float()
-    scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 127   # (..., 1)
-    # the row: its values rounded to int8, then the 4 bytes of its float32 scale
-    return torch.cat(((x / scale).round().to(torch.int8), scale.view(torch.int8)), -1)
+    finite = torch.where(x.isfinite(), x, 0.0)
+    # at most float32's largest / 128: 127 * scale, the largest value dequantized, stays finite
+    scale = (finite.abs().amax(-1, keepdim=True) / 127).clamp(1e-30 / 127, FLOAT32_MAX / 128)
+    values = (x / scale).nan_to_num(0.0).clamp(-127, 127).round()   # (..., head_dim)
+    # the row: its values as int8, then the 4 bytes of its float32 scale
+    return torch.cat((values.to(torch.int8), scale.view(torch.int8)), -1)
 
 def dequantize(x, dtype):
     """(..., head_dim + 4) int8 -> (..., head_dim) in dtype: values times their row's scale."""

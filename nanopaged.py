@@ -957,6 +957,7 @@ class LLM:
         model_batch, to_sample = self._prepare(batch)
         # 3. the model writes every new token's K/V into its slot and returns logits to sample
         logits = self.model(model_batch, self.kv_cache).cpu()   # (len(to_sample), vocab) float32
+        check_logits(self, logits, to_sample)   # NaN or inf: an error naming them (section 9)
         # 4. sampling, each sample from its own random stream (an n>1 request's first token: n
         #    draws, it forks on them in postprocess); a beam keeps its log-probs for step 6. The
         #    greedy picks, every row's argmax, come from one call
@@ -1047,6 +1048,10 @@ def is_int(x):
     return isinstance(x, int) and not isinstance(x, bool)   # True is an int to Python, not to us
 
 
+def is_count(x, low):   # an int from low to MAX_COUNT
+    return is_int(x) and low <= x <= MAX_COUNT
+
+
 def is_number(x):   # a finite int or float
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
@@ -1054,6 +1059,8 @@ def is_number(x):   # a finite int or float
 MIN_TEMPERATURE = 0.01   # logits / temperature overflow float32 near 1e-38; 0 means greedy
 MIN_TOP_P = 1e-6         # top_p is compared with float32 probabilities, where 1e-300 is 0
 MAX_LENGTH_PENALTY = 10  # 131072 ** 10 is about 1e51: no overflow, no division by zero
+MAX_COUNT = 2**31 - 1    # a count's most: a step's int32 tensors (block ids, offsets) hold it
+MIN_GBPS = 1e-9          # the slowest link emulated, a byte a second (1e-300: past any timer)
 FLOATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # every parameter of LLM, SamplingParams and BeamSearchParams checked on its own: (is a value
@@ -1075,19 +1082,20 @@ ARG_RULES = {
     "length_penalty": (lambda x: is_number(x) and abs(x) <= MAX_LENGTH_PENALTY,   # a finite power
                        f"a number in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}]"),
     "tier_gbps": (lambda x: x is None or isinstance(x, dict) and all(
-        k in ("host", "disk") and is_number(v) and v > 0 for k, v in x.items()),
-                  "None or a dict of GB/s > 0 by tier, such as {'host': 16, 'disk': 2}"),
+        k in ("host", "disk") and is_number(v) and v >= MIN_GBPS for k, v in x.items()),
+                  f"None or a dict of GB/s >= {MIN_GBPS} (a byte a second) by tier, such as "
+                  "{'host': 16, 'disk': 2}"),
     # the rules several parameters share
     **dict.fromkeys(["kv_cache_dtype", "offload_kv_cache_dtype"],
                     (lambda x: x in ("auto", "int8"), "'auto' (the model's dtype) or 'int8'")),
     # (None: num_blocks from a memory budget, max_model_len the model's)
-    **dict.fromkeys(["num_blocks", "max_model_len"],
-                    (lambda x: x is None or is_int(x) and x >= 1, "None or an int >= 1")),
+    **dict.fromkeys(["num_blocks", "max_model_len"], (lambda x: x is None or is_count(x, 1),
+                                                       f"None or an int in [1, {MAX_COUNT}]")),
     # (top_k 0: every token; priority_aging_steps 0: no aging)
     **dict.fromkeys(["num_cpu_blocks", "num_disk_blocks", "top_k", "priority_aging_steps"],
-                    (lambda x: is_int(x) and x >= 0, "an int >= 0")),
+                    (lambda x: is_count(x, 0), f"an int in [0, {MAX_COUNT}]")),
     **dict.fromkeys(["max_num_seqs", "max_num_batched_tokens", "max_tokens", "n", "beam_width"],
-                    (lambda x: is_int(x) and x >= 1, "an int >= 1")),
+                    (lambda x: is_count(x, 1), f"an int in [1, {MAX_COUNT}]")),
     **dict.fromkeys(["enable_prefix_caching", "ignore_eos", "live", "async_copies"],
                     (lambda x: isinstance(x, bool), "a bool")),
 }
@@ -1414,6 +1422,9 @@ class Links:
         self.seconds = {t: self.bytes_per_block[t] / (g * 1e9) for t, g in gbps.items()}
         self.bytes_moved = Counter()   # the lower tier of each copy -> bytes over its link
         self.busy_seconds = 0.0        # copying, in all
+        # set while the copy engine gives its copies up (CopyEngine.give_up): a copy held for
+        # its link's time is let go at once
+        self.stop = threading.Event()
 
     def copy(self, src_tier, src, dst_tier, dst):
         t0 = time.perf_counter()
@@ -1425,8 +1436,9 @@ class Links:
         # the lower tier's link: of the two, the later in the tiers' order, fastest first
         link = max(src_tier.name, dst_tier.name, key=("device", "host", "disk").index)
         self.bytes_moved[link] += self.bytes_per_block[link]   # (INT8 below: fewer)
-        if link in self.seconds:   # held until bytes / bandwidth have passed
-            time.sleep(max(0.0, self.seconds[link] - (time.perf_counter() - t0)))
+        if link in self.seconds:   # held until bytes / bandwidth have passed, or stop is set
+            left = self.seconds[link] - (time.perf_counter() - t0)
+            self.stop.wait(min(max(0.0, left), threading.TIMEOUT_MAX))
         self.busy_seconds += time.perf_counter() - t0
 
 class CopyEngine:
@@ -1466,15 +1478,15 @@ class CopyEngine:
     def start(self, llm, batch):
         """Queue the step's copies, then return batch without the requests still loading."""
         copies, events = llm.block_manager.copies, llm.events
-        if WRITE_AHEAD and all(f.done() for f in self.started) and not copies:   # link idle:
-            write_ahead(llm.block_manager, self.through)   # write ahead
+        if WRITE_AHEAD and self.idle() and not copies:   # link idle: write ahead
+            write_ahead(llm.block_manager, self.through)
         while copies:
             src_tier, src, dst_tier, dst = copies[0]
             keys = [(src_tier.name, src), (dst_tier.name, dst)]
             if src_tier is dst_tier:   # copy-on-write: after what is in flight on its blocks
                 self.wait({self.in_flight[key] for key in keys if key in self.in_flight})
                 llm.links.copy(*copies[0])
-            else:   # (a Ctrl-C anywhere here: the undo's flush waits for whatever was queued)
+            else:   # (a Ctrl-C anywhere here: the undo gives up whatever was queued)
                 ready = torch.cuda.current_stream().record_event() if self.stream else None
                 future = self.worker.submit(self.make, llm.links, copies[0], ready)
                 self.in_flight.update(dict.fromkeys(keys, future))
@@ -1506,6 +1518,9 @@ class CopyEngine:
         return {f for f, (src, i, dst, j) in self.started.items() if not f.done() and
                 ((dst.name, j) in mine or (src.name, i) in mine and src.blocks[i].hash is None)}
 
+    def idle(self):   # has every copy queued been made (or failed)?
+        return all(f.done() for f in self.started)
+
     def wait(self, *futures):   # until one of the sets of Futures is all done: the step waits
         t0 = time.perf_counter()
         while not any(all(f.done() for f in fs) for fs in futures):
@@ -1513,13 +1528,20 @@ class CopyEngine:
             concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
         self.copy_wait_seconds += time.perf_counter() - t0
 
-    def finish(self):   # (Undo) every copy queued made or failed; returns the blocks not trusted
-        self.worker.submit(lambda: None).result()   # after all that were queued: all done
-        # after a failure none of the copies no step has seen made is trusted: those before the
-        # failed one were made, but the undo drops their blocks too (a failure is rare)
-        lost = list(self.started.values()) if self.failed is not None else []
-        # all made or failed: the bookkeeping starts over (a copy Ctrl-C cut off goes too)
-        self.in_flight, self.started, self.failed = {}, {}, None
+    def give_up(self, links):
+        """(Undo, abort) Stop at once: the copies not begun are cancelled, the one under way is let
+        go by its link. Returns the (tier, block) that the copies not made were to write: their
+        K/V are not trusted. However slow the links, a Ctrl-C is answered in moments."""
+        # made: done before the stop; one under way may stop half made. After a failure none no
+        # step has seen made is trusted: those before the failed one were made, but the undo
+        # drops their blocks too (a failure is rare)
+        lost = [copy for f, copy in self.started.items() if not f.done() or self.failed is not None]
+        links.stop.set()
+        for future in self.started:
+            future.cancel()   # (False for the one under way: it ends at its link's next wait)
+        concurrent.futures.wait(self.started)
+        links.stop.clear()
+        self.in_flight, self.started, self.failed = {}, {}, None   # the bookkeeping starts over
         return {(dst_tier, dst) for _, _, dst_tier, dst in lost}
 
 WRITE_AHEAD = 16   # async_copies: the cached blocks next out that an idle link copies below, then
@@ -1600,7 +1622,10 @@ def open_disk_pool(path, shape, dtype):
 # the pools held is recomputed. The prefix cache stays, in its LRU order: a block is registered
 # once its K/V are written (or their copy is queued), unregistered before it is written again, so
 # a recompute finds its full blocks there; a block whose queued copy was never made is dropped.
-# recovery() runs the undo (and generate()'s drop of its requests); a second Ctrl-C waits for it.
+# The copies on their way are given up, not waited for (CopyEngine.give_up): however slow the
+# links, Ctrl-C is answered at once. recovery() runs the undo (and generate()'s drop of its
+# requests, which gives up the copies too if they were stopped between steps); a second Ctrl-C
+# waits for it.
 
 def copy_state(obj, *edited):   # obj's attributes, with a copy of each list named in edited
     # (none named: of every list, deque and Counter it has)
@@ -1631,27 +1656,33 @@ class Undo:
         self.lengths = [(s.token_ids, len(s)) for r in requests for s in r.seqs]
 
     def restore(self):   # (called by recovery(), which holds Ctrl-C until it is done)
-        sched, bm = self.llm.scheduler, self.llm.block_manager
-        unmade = {(tier, block_id) for _, _, tier, block_id in bm.copies}   # never copied to
-        if self.llm.copy_engine:   # the copies in flight: made first, or failed (never trusted)
-            unmade |= self.llm.copy_engine.finish()
+        llm = self.llm
+        unmade = {(tier, block_id) for _, _, tier, block_id in llm.block_manager.copies}
+        if llm.copy_engine:   # the copies in flight: given up, those not made never trusted
+            unmade |= llm.copy_engine.give_up(llm.links)
         for obj, state in self.states:   # bm.copies too: empty, as every step starts
             vars(obj).update(state)
         for token_ids, n in self.lengths:   # the tokens the step appended, cut off
             del token_ids[n:]
-        holders = sorted(sched.running + sched.swapped, key=lambda r: r.request_id, reverse=True)
-        sched.running, sched.swapped = [], []
-        for request in holders:   # the newest first, so that the oldest ends in front
-            # its blocks stamped as freeing them would (tail first; a shared block at its last
-            # holder), for the rebuild's LRU order; then it lets go of them, to be recomputed
-            pool = bm.host if request.status is RequestStatus.SWAPPED else bm.device
-            for seq in request.seqs:
-                for block_id in reversed(seq.block_table):
-                    pool.blocks[block_id].cached_at = next(bm.clock)
-                seq.block_table = []
-            sched._recompute(request)
-        for pool in bm.tiers:   # nobody holds a block; the registered stay cached
-            rebuild_pool(bm, pool, unmade)
+        start_over(llm, unmade)
+
+def start_over(llm, unmade):
+    """Every request the pools hold lets go of its blocks, to be recomputed; the pools keep the
+    prefix cache, but for the blocks in unmade ((tier, block id): K/V not in place), freed."""
+    sched, bm = llm.scheduler, llm.block_manager
+    holders = sorted(sched.running + sched.swapped, key=lambda r: r.request_id, reverse=True)
+    sched.running, sched.swapped = [], []
+    for request in holders:   # the newest first, so that the oldest ends in front
+        # its blocks stamped as freeing them would (tail first; a shared block at its last
+        # holder), for the rebuild's LRU order; then it lets go of them, to be recomputed
+        pool = bm.host if request.status is RequestStatus.SWAPPED else bm.device
+        for seq in request.seqs:
+            for block_id in reversed(seq.block_table):
+                pool.blocks[block_id].cached_at = next(bm.clock)
+            seq.block_table = []
+        sched._recompute(request)
+    for pool in bm.tiers:   # nobody holds a block; the registered stay cached
+        rebuild_pool(bm, pool, unmade)
 
 def rebuild_pool(bm, pool, unmade):
     """Every block of pool free, or cached if whole and registered as the step left it, in LRU
@@ -1713,6 +1744,15 @@ def recovery(undo):
             undo()
             raise
 
+def check_logits(llm, logits, to_sample):
+    """Logits that are NaN or inf (the model broken) raise before any token is sampled from them,
+    naming the step and the requests; the step is undone, as after any error."""
+    broken = (~logits.isfinite()).any(-1).tolist()   # (rows,)
+    if any(broken):
+        ids = sorted({request.request_id for (request, _), bad in zip(to_sample, broken) if bad})
+        raise FloatingPointError(f"step {llm.events.step}: requests {_ids(ids)}: logits are "
+                                 "NaN/inf: the model's weights or inputs are broken")
+
 def abort(llm, request_ids):   # drop a failed call's requests wherever they are, and their blocks
     for request in [llm.requests.pop(r) for r in request_ids if r in llm.requests]:
         for line in (llm.scheduler.waiting, llm.scheduler.running, llm.scheduler.swapped):
@@ -1721,6 +1761,10 @@ def abort(llm, request_ids):   # drop a failed call's requests wherever they are
         for seq in request.seqs:
             llm.block_manager.free(seq)
         request.status = RequestStatus.FINISHED
+    # stopped between steps, copies still on their way: given up (however slow the links), and
+    # the requests left recompute, as after an undone step (the copies not made never trusted)
+    if llm.copy_engine and not llm.copy_engine.idle():
+        start_over(llm, llm.copy_engine.give_up(llm.links))
 
 # ----------------------------------------------------------------------------------------------
 # 10. Beam search: the beams of a request are forks of one another, on shared blocks
@@ -2148,18 +2192,27 @@ if __name__ == "__main__":
     p.add_argument("--no-prefix-caching", action="store_false", dest="enable_prefix_caching",
                    help="turn the prefix cache off")
     p.add_argument("--max-num-batched-tokens", type=int, help="tokens a step computes at most")
+    p.add_argument("--max-num-seqs", type=int, help="sequences running at once, at most")
+    p.add_argument("--host-gbps", type=float, help="emulate a host link of this many GB/s")
+    p.add_argument("--disk-gbps", type=float, help="emulate a disk link of this many GB/s")
     p.add_argument("--watermark-blocks", type=int,
                    help="blocks a new prompt leaves free for decodes (default: 1%% of the pool)")
     args = p.parse_args()
     # the flags the command line keeps; every other one given goes to LLM by its name (the dest
     # argparse gives it), over the demo's pool
-    own = ("demo", "live", "trace", "delay", "watermark_blocks")
+    own = ("demo", "live", "trace", "delay", "watermark_blocks", "host_gbps", "disk_gbps")
     given = {k: v for k, v in vars(args).items() if k not in own and v is not None}
+    pool = demo_pool(args.demo, args.block_size)
+    # --host-gbps, --disk-gbps: tier_gbps, over the demo's links
+    links = {"host": args.host_gbps, "disk": args.disk_gbps}
+    links = {tier: gbps for tier, gbps in links.items() if gbps is not None}
+    if links:
+        given["tier_gbps"] = {**pool.get("tier_gbps", {}), **links}
     try:   # bad input, ours as the engine's: a ValueError, told in one line before anything runs
         require(0 <= args.delay <= 60, "--delay must be in [0, 60] seconds")   # as --help says
         require(args.live or args.trace or not args.delay, "--delay needs --live or --trace")
         require((args.watermark_blocks or 0) >= 0, "--watermark-blocks must be >= 0")   # or None
-        llm = LLM(**dict(demo_pool(args.demo, args.block_size), **given))
+        llm = LLM(**dict(pool, **given))
         if args.watermark_blocks is not None:   # (Scheduler's watermark: a fraction of the pool)
             llm.scheduler.watermark_blocks = args.watermark_blocks
         seconds = run_demo(llm, args.demo, args.live, args.trace, args.delay)

@@ -30,6 +30,10 @@ BAD_ENGINE_ARGUMENTS = {   # each used to pass the checks and fail later, after 
     "disk_path without a disk": (dict(disk_path="kv.bin"), "num_disk_blocks > 0"),
     "a disk and no prefix cache": (dict(num_disk_blocks=8, enable_prefix_caching=False),
                                    "num_disk_blocks"),   # nothing would ever be written down
+    # every step failed inside (islice takes no stop past sys.maxsize); the largest allowed named
+    "max_num_seqs=10**30": (dict(max_num_seqs=10 ** 30), r"max_num_seqs .* \[1, 2147483647\]"),
+    # the first copy failed (a wait past the timer's range); the floor named
+    "tier_gbps 1e-300": (dict(tier_gbps={"host": 1e-300}, num_cpu_blocks=4), r"GB/s >= 1e-09"),
 }
 if not torch.cuda.is_available():
     BAD_ENGINE_ARGUMENTS["device='cuda' without CUDA"] = (dict(device="cuda"), "CUDA")
@@ -97,6 +101,7 @@ BAD_COMMAND_LINES = [   # each printed a traceback, or failed only after the run
     ["--trace", "--delay", "1e10"],
     ["--disk-path", "kv.bin"],   # the default demo has no disk tier: the path would do nothing
     ["--watermark-blocks", "-1"],
+    ["--max-num-seqs", str(10 ** 30)], ["--host-gbps", "1e-300"],   # passed, then failed inside
 ]
 
 
@@ -109,6 +114,31 @@ def test_a_bad_command_line_is_one_line_and_exit_status_2(argv):
     lines = run.stderr.strip().splitlines()
     assert (run.returncode, len(lines)) == (2, 1), run.stderr
     assert "error:" in lines[0] and "Traceback" not in run.stderr and not run.stdout
+
+
+@pytest.mark.parametrize("argv, kwargs", [
+    (["--max-num-seqs", str(10 ** 30)], dict(max_num_seqs=10 ** 30)),
+    (["--host-gbps", "1e-300"], dict(tier_gbps={"host": 1e-300})),
+], ids=["max-num-seqs", "host-gbps"])
+def test_the_command_line_gives_the_api_s_error_for_a_count_or_link_out_of_range(argv, kwargs):
+    """A count past the largest allowed, a link slower than the floor: the command line prints
+    the ValueError that LLM() raises, on one line, and exits 2."""
+    with pytest.raises(ValueError) as error:
+        LLM("random:tiny", num_blocks=16, **kwargs)
+    run = subprocess.run([sys.executable, "nanopaged.py", "--model", "random:tiny", *argv],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert (run.returncode, run.stderr) == (2, f"nanopaged.py: error: {error.value}\n")
+
+
+def test_the_largest_counts_allowed_run():
+    """max_num_seqs and max_num_batched_tokens at their largest allowed (2**31 - 1) serve as the
+    defaults do: every value that passes the guards runs."""
+    largest = dict(max_num_seqs=nanopaged.MAX_COUNT, max_num_batched_tokens=nanopaged.MAX_COUNT)
+    llm = checked(LLM("random:tiny", block_size=4, num_blocks=16, **largest))
+    want = LLM("random:tiny", block_size=4, num_blocks=16).generate([GOOD] * 3, GREEDY)
+    outs = llm.generate([GOOD] * 3, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
+    assert_no_block_held(llm)
 
 
 @pytest.mark.parametrize("block_size", [1, 2, 8])

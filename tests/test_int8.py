@@ -36,6 +36,22 @@ def test_quantize_is_round_to_nearest_with_a_float32_scale_per_row():
     assert not back[1, 2, 0].any()
 
 
+def test_quantize_keeps_finite_values_finite():
+    """A row's scale comes from its finite values: an inf saturates to the largest code (+-127),
+    a NaN becomes 0, and the finite values come back as in any row (within s / 2); float32's
+    largest value comes back finite (scale at most its 1/128), within 1% of itself."""
+    inf, nan, largest = float("inf"), float("nan"), torch.finfo(torch.float32).max
+    x = torch.tensor([[1.0, inf, -2.0, 3.0], [1.0, -inf, nan, -3.0], [largest, -largest, 1, 0]])
+    q = quantize(x)
+    back = dequantize(q, torch.float32)
+    assert back.isfinite().all()
+    assert q[0, 1] == 127 and q[1, 1] == -127 and q[1, 2] == 0
+    finite = x.isfinite()
+    s = 3.0 / 127   # rows 0 and 1: their finite values' max |x| is 3
+    assert ((back[:2] - x[:2]).abs()[finite[:2]] <= s / 2 * (1 + 1e-6)).all()
+    assert torch.allclose(back[2, :2], x[2, :2], rtol=0.01)
+
+
 def test_store_kvcache_quantizes_into_exactly_the_given_slots():
     k, v = torch.randn(2, 3, 2, 16)
     k_cache, v_cache = torch.zeros(2, 4, 4, 2, 20, dtype=torch.int8)   # 4 blocks of 4 slots

@@ -8,6 +8,8 @@ import linecache
 import os
 import signal
 import sys
+import threading
+import time
 from collections import Counter
 
 import pytest
@@ -375,3 +377,99 @@ def test_an_undone_step_puts_back_the_cached_blocks_a_prefix_hit_took_in_their_o
         llm.generate([first[:8] + [30, 31]], one)   # hits the first prompt's two blocks
     assert list(device.cached_block_ids) == before and len(before) == 4
     assert_no_block_held(llm)
+
+
+
+SLOW = dict(block_size=4, num_blocks=24, num_cpu_blocks=24, preemption_mode="swap",
+            async_copies=True, tier_gbps={"host": 1e-7})   # 100 bytes/s: a block in 20 s
+FOUR = [[20 * i + j for j in range(14)] for i in range(4)]   # one is swapped out for the others
+LONG = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+
+
+def interrupt_as_the_first_copy_goes(llm, sigints=1, after=0.2):
+    """SIGINTs (from a timer) `after` seconds into the first copy over a link; returns the list
+    that will hold the moment they are sent."""
+    copy, sent = llm.links.copy, []
+
+    def first_copy_interrupted(*args):
+        if not sent:
+            sent.append(time.perf_counter() + after)
+            for _ in range(sigints):
+                threading.Timer(after, os.kill, (os.getpid(), signal.SIGINT)).start()
+        return copy(*args)
+
+    llm.links.copy = first_copy_interrupted
+    return sent
+
+
+def serves_as_a_fresh_engine(llm):
+    """The four prompts again, shorter (no preemption, so no copy over the slow link): the
+    tokens of an engine never interrupted, then every block free or cached."""
+    shorter = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    want = LLM("random:tiny", block_size=4, num_blocks=64).generate(FOUR, shorter)
+    preemptions = llm.stats()["num_preemptions"]
+    assert [o.outputs[0].token_ids for o in llm.generate(FOUR, shorter)] == \
+        [o.outputs[0].token_ids for o in want]
+    assert llm.stats()["num_preemptions"] == preemptions
+    assert_no_block_held(llm)
+
+
+def test_ctrl_c_with_copies_queued_on_a_slow_link_is_answered_within_2_seconds():
+    """Four requests under pressure, one swapped out over a host link of 100 bytes/s (a block
+    takes 20 s), copies in the background: a SIGINT 0.2 s into the first copy is a
+    KeyboardInterrupt within 2 s (the queued copies given up, the one under way let go), not
+    once every queued copy is made (2 minutes); then the same engine serves as a fresh one."""
+    llm = checked(LLM("random:tiny", **SLOW))
+    sent = interrupt_as_the_first_copy_goes(llm)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(FOUR, LONG)
+    assert time.perf_counter() - sent[0] < 2
+    assert not llm.requests and llm.copy_engine.idle()
+    llm.block_manager.check_invariants()
+    serves_as_a_fresh_engine(llm)
+
+
+def test_ctrl_c_between_steps_gives_up_the_copies_on_their_way():
+    """A SIGINT between two steps (from the callback of the step that swapped out), over a link
+    of 1 KB/s (a block in 2 s): the call is dropped at once, the copies still on their way are
+    given up (none left to delay the next call), and the engine serves as a fresh one."""
+    llm = checked(LLM("random:tiny", **dict(SLOW, tier_gbps={"host": 1e-6})))
+    sent = []
+
+    def interrupt_now(report):
+        if report.stats["num_swapped_out_blocks"] and not sent:
+            sent.append(time.perf_counter())
+            os.kill(os.getpid(), signal.SIGINT)
+
+    llm.on_step.append(interrupt_now)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(FOUR, LONG)
+    assert time.perf_counter() - sent[0] < 2
+    assert not llm.requests and not llm.copy_engine.started
+    llm.block_manager.check_invariants()
+    serves_as_a_fresh_engine(llm)
+
+
+def test_a_second_and_a_third_ctrl_c_wait_for_the_recovery(monkeypatch):
+    """A SIGINT 0.2 s into the first copy over the slow link, then two more while the undo gives
+    the copies up: those wait until the recovery is done and surface as one KeyboardInterrupt,
+    as a second always has; all within 2 s, and the engine serves as a fresh one."""
+    llm = checked(LLM("random:tiny", **SLOW))
+    sent = interrupt_as_the_first_copy_goes(llm)
+    give_up, seen = llm.copy_engine.give_up, []
+
+    def interrupted_twice(links):   # the undo's give-up, while the first SIGINT is handled
+        seen.append(len(SIGINTS))
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        return give_up(links)
+
+    monkeypatch.setattr(llm.copy_engine, "give_up", interrupted_twice)
+    SIGINTS.clear()
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(FOUR, LONG)
+    assert time.perf_counter() - sent[0] < 2
+    assert seen == [1] and len(SIGINTS) == 2   # the first; the two held, raised once, after
+    monkeypatch.undo()
+    llm.block_manager.check_invariants()
+    serves_as_a_fresh_engine(llm)

@@ -299,3 +299,41 @@ def test_auto_mode_follows_its_cost_estimate():
         stats = llm.stats()
         assert stats["num_preemptions"] > 0 and (stats["num_swapped_out_blocks"] > 0) == swaps
         assert_no_block_held(llm)
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_nan_logits_are_an_error_naming_the_step_and_requests_and_the_engine_serves_on(temperature):
+    """Logits that come back NaN for a step (a broken model) raise FloatingPointError naming the
+    step and the requests, before any token is sampled (greedy took token 0 again and again,
+    sampling failed inside torch); the step is undone, the call's request dropped, a request
+    queued alongside ends with a run's tokens that never failed, and the next call is served."""
+    params = SamplingParams(temperature=temperature, max_tokens=8, seed=3, ignore_eos=True)
+
+    def engine():
+        return checked(LLM("random:tiny", block_size=4, num_blocks=32))
+
+    fresh = engine()
+    [want_queued] = fresh.generate([ids(1, 7)], params)
+    [want_call] = fresh.generate([ids(2, 9)], params)
+    llm = engine()
+    [queued] = llm.add_requests([ids(1, 7)], params)
+    llm.step()   # the queued request's first token
+    forward = llm.model.forward
+
+    def broken(*args):   # this step's logits all NaN; the next forward is the model's again
+        llm.model.forward = forward
+        return forward(*args) * float("nan")
+
+    llm.model.forward = broken
+    message = "step 2: requests 0, 1: logits are NaN/inf: the model's weights or inputs are broken"
+    with pytest.raises(FloatingPointError, match=message):
+        llm.generate([ids(2, 9)], params)
+    llm.block_manager.check_invariants()
+    assert list(llm.requests) == [queued] and llm.num_steps == 1
+    assert llm.requests[queued].seqs[0].num_output_tokens == 1   # its token of step 1, no other
+    while llm.scheduler.has_unfinished():
+        llm.step()
+    assert llm.output(queued).outputs[0].token_ids == want_queued.outputs[0].token_ids
+    [again] = llm.generate([ids(2, 9)], params)
+    assert again.outputs[0].token_ids == want_call.outputs[0].token_ids
+    assert_no_block_held(llm)
