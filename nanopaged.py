@@ -8,21 +8,23 @@ table mapping its logical blocks to physical ones. That one indirection buys:
   - sharing: requests with the same prefix point at the same blocks (prefix caching, through a
     hash chain), samples of one prompt share its blocks (fork), counted by ref_count;
   - copy-on-write: a shared block is copied only when somebody must write into it;
-  - preemption: when blocks run out, the newest request gives its blocks back, swapped to the
-    host pool or freed to be recomputed later;
+  - preemption: when blocks run out, the last-ranked request gives its blocks back, swapped to
+    the host pool or freed to be recomputed later;
   - a memory hierarchy: device, host memory, disk, one block shape; a cached block evicted from
     one tier is written down to the next, and a prompt that finds it there loads it back up.
 
 Read it from the top down to the banner that ends the reading path: the engine in the order
-one request travels, with every mechanism of its memory system.
+one request travels, every mechanism of its memory system in its plain form.
   1. SamplingParams, BeamSearchParams, Sequence, Request    what a request is
   2. Block, Pool, BlockManager    the tiers: allocate with prefix-cache hits in any tier, copy-on-
                                   write, fork, free, eviction down the tiers, swap
   3. ScheduledBatch, Scheduler    which tokens run this step; preemption when blocks run out
   4. sample, LLM                  the engine: block copies, tensors for the model, sampling, step
-After it, for a second reading: 5. API guards, 6. invariant checks, 7. events and metrics,
-8. the cost rule and the disk file, 9. failure recovery, 10. beam search rounds, 11. priorities
-and aging, 12. the live view, 13. the command line and its demos.
+After it, for a second reading: 5. the knobs (EngineArgs) and the API guards, 6. invariant
+checks, 7. events and metrics, 8. the refinements of the block manager and the scheduler (exact
+prefixes, the write-down rule, the cost rule, recomputed samples), 9. the tiers' machinery
+(INT8 tiers, the disk file, the block copier, the copy engine), 10. failure recovery, 11. beam
+search rounds, 12. priorities and aging, 13. the live view, 14. the command line and its demos.
 
     python nanopaged.py --live           watch the default demo: the pool, every block table
     python nanopaged.py --demo fork --trace    a plain-text snapshot per step, for handouts
@@ -34,14 +36,14 @@ import atexit
 import bisect
 import concurrent.futures
 import contextlib
-import functools
+import copy
+import dataclasses
 import gc
 import itertools
 import math
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import textwrap
 import threading
@@ -57,7 +59,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
-from kernel import dequantize, quantize   # (INT8 tiers, section 8)
+from kernel import dequantize, quantize   # (INT8 tiers, section 9)
 from model import Batch, load_model   # transformers is imported only when a model is loaded
 
 # ----------------------------------------------------------------------------------------------
@@ -73,45 +75,56 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None    # None: derived from the engine's seed and the request id
 
-    def __post_init__(self):   # each a ValueError naming it (section 5); seed None: the engine's
-        check_args(**{k: v for k, v in vars(self).items() if k != "seed" or v is not None})
+    def __post_init__(self):
+        check_fields(self)   # each a ValueError naming it (section 5)
+
 
 @dataclass(frozen=True)
-class BeamSearchParams:   # LLM.beam_search: the beam_width likeliest continuations (section 10)
+class BeamSearchParams:
+    """LLM.beam_search: the beam_width likeliest continuations (section 11)."""
     beam_width: int
     max_tokens: int = 16
-    length_penalty: float = 1.0   # score = cum_logprob / length ** length_penalty (beam_output)
+    length_penalty: float = 1.0   # score = cum_logprob / length ** length_penalty
     ignore_eos: bool = False
 
     def __post_init__(self):
-        check_args(**vars(self))   # each a ValueError naming it (section 5)
+        check_fields(self)   # each a ValueError naming it (section 5)
 
     @property
-    def n(self):   # the most sequences the request holds at once: what the pool is sized by
+    def n(self):
+        """The most sequences the request holds at once: what the pool is sized by."""
         return self.beam_width
 
 
 class Sequence:
     """One stream of tokens: a prompt and what was generated after it, and the block table saying
-    where each token's K/V live. n>1 sampling and beam search fork several from one request."""
-    _seq_ids = itertools.count()   # ids are unique in the process: traces name sequences by them
+    where each token's K/V live. len(seq) counts every token, the last one sampled too, whose K/V
+    the next step writes. n>1 sampling and beam search fork several from one request."""
+
+    # ids are unique in the process: traces name sequences by them
+    _seq_ids = itertools.count()
 
     def __init__(self, token_ids, request_id=None, index=0):
         self.seq_id = next(Sequence._seq_ids)
         self.request_id = self.seq_id if request_id is None else request_id
-        self.index = index               # which sample of its request (CompletionOutput.index)
+        self.index = index   # which sample of its request (CompletionOutput.index)
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(self.token_ids)
-        self.num_computed_tokens = 0     # tokens with K/V in the cache, or due from waits_for
-        self.num_cached_tokens = 0       # of those, found in the prefix cache at the last allocate
-        self.block_table = []            # physical block ids: token i: block_table[i // block_size]
-        self.block_hashes = []           # hash chain over its full blocks (BlockManager)
-        self.waits_for = None            # a sibling computing the blocks they share (_admit)
-        self.prefill_until = 0           # tokens before it count as prefill (a metric's)
-        self.finish_reason = None        # "stop" (eos), "length" (max_tokens), "pruned" (beam)
+        # tokens whose K/V are in the cache (vLLM's name); a recomputed sample counts those its
+        # leader writes for the blocks they share too (waits_for, section 8)
+        self.num_computed_tokens = 0
+        # of those, the tokens found in the prefix cache at the last allocate
+        self.num_cached_tokens = 0
+        # physical block ids: token i lives in block_table[i // block_size]
+        self.block_table = []
+        self.block_hashes = []   # the hash chain over its full blocks (BlockManager)
+        self.waits_for = None    # the leader computing the blocks they share (section 8)
+        self.prefill_until = 0   # the tokens before it count as prefill (a metric's)
+        # "stop" (eos), "length" (max_tokens), "pruned" (a beam not chosen)
+        self.finish_reason = None
         self.finish_time = None
-        self.logprobs = None             # beam search: (vocab,) float32 next-token log-probs, CPU
-        self.cum_logprob = 0.0           # beam search: the beam's total log-probability
+        self.logprobs = None      # beam search: (vocab,) float32 next-token log-probs, CPU
+        self.cum_logprob = 0.0    # beam search: the beam's total log-probability
 
     def __len__(self):
         return len(self.token_ids)
@@ -126,12 +139,13 @@ class Sequence:
 
     @property
     def num_written_tokens(self):
-        """Tokens whose K/V are in the cache now: not those due from a leader (waits_for)."""
-        leader = self if self.waits_for is None else self.waits_for   # with none, its own writer
-        return min(self.num_computed_tokens, leader.num_computed_tokens)
+        """Tokens whose K/V are in the cache now: not those its leader owes it (waits_for)."""
+        writer = self if self.waits_for is None else self.waits_for
+        return min(self.num_computed_tokens, writer.num_computed_tokens)
 
     def append_token(self, token_id):
         self.token_ids.append(token_id)
+
 
 class RequestStatus(Enum):
     WAITING = "waiting"
@@ -139,22 +153,30 @@ class RequestStatus(Enum):
     SWAPPED = "swapped"
     FINISHED = "finished"
 
+
 class Request:
     """One prompt and its params: the unit the scheduler admits, preempts and swaps, always whole.
     It starts as one sequence; n>1 samples fork from it as they draw their first tokens."""
 
     def __init__(self, request_id, token_ids, params, seed, priority=0):
-        self.request_id, self.params = request_id, params
-        self.priority = priority   # lower first, if scheduling_policy="priority" (section 11)
+        self.request_id = request_id
+        self.params = params
+        self.priority = priority   # lower first, if scheduling_policy="priority" (section 12)
         self.prompt_token_ids = list(token_ids)
         self.status = RequestStatus.WAITING
-        self.seqs = [Sequence(token_ids, request_id)]   # live sequences, in the order they forked
-        self.finished = []     # sequences that ended: samples to return, beams that were dropped
-        self.hypotheses = []   # beam search: BeamHypothesis records, the candidates for the output
-        # sample i draws from stream i alone: its draws never depend on the schedule (preemptions)
-        sampling = not self.is_beam_search and params.temperature > 0
-        self.generators = [torch.Generator().manual_seed((seed * 1_000_003 + i) % 2**63)
-                           for i in range(params.n)] if sampling else []
+        # live sequences, in the order they forked
+        self.seqs = [Sequence(token_ids, request_id)]
+        # sequences that ended: samples to return, beams that were dropped
+        self.finished = []
+        # beam search: BeamHypothesis records, the candidates for the output
+        self.hypotheses = []
+        # sample i draws from stream i alone: its draws never depend on the schedule
+        # (preemptions, who else runs)
+        self.generators = []
+        if not self.is_beam_search and params.temperature > 0:
+            for i in range(params.n):
+                stream_seed = (seed * 1_000_003 + i) % 2**63
+                self.generators.append(torch.Generator().manual_seed(stream_seed))
         self.arrival_time = time.perf_counter()
         self.first_token_time = None
 
@@ -163,14 +185,17 @@ class Request:
         return isinstance(self.params, BeamSearchParams)
 
     @property
-    def past_first_token(self):   # has it sampled its first token (where n>1 samples fork)?
-        return bool(self.finished) or self.seqs[0].num_output_tokens > 0
+    def past_first_token(self):
+        """Has it sampled its first token (where n>1 samples fork)?"""
+        return len(self.finished) > 0 or self.seqs[0].num_output_tokens > 0
 
     @property
     def max_num_running_seqs(self):
         """What the request counts against max_num_seqs: n (or beam_width) from its admission on,
         so that its forks always fit; once its samples have forked, the ones still live."""
-        return self.params.n if self.is_beam_search or not self.past_first_token else len(self.seqs)
+        if self.is_beam_search or not self.past_first_token:
+            return self.params.n
+        return len(self.seqs)
 
 # ----------------------------------------------------------------------------------------------
 # 2. The block pools: three tiers of one block shape
@@ -179,36 +204,42 @@ class Request:
 class Block:
     block_id: int
     ref_count: int = 0   # live block tables that hold this block
-    cached_at: int = 0   # when it last became cached: the LRU order (an undone step rebuilds it)
+    # when it last became cached: the LRU order (an undone step rebuilds it)
+    cached_at: int = 0
     # set while the block is registered in the prefix cache (full, computed, immutable):
-    hash: int | None = None               # chain hash of the prefix up to and including it
-    token_ids: tuple = ()                 # this block's tokens
-    prefix_id: int | None = None          # names the prefix this block ends (see _cache_hits)
-    parent_prefix_id: int | None = None   # names the prefix before it (None: the first block)
-    hits: int = 0                         # times a prompt found it, or a preempted request
-                                          # will look for it (its copies count on)
+    hash: int | None = None   # chain hash of its prefix: the block and all before it
+    token_ids: tuple = ()     # this block's tokens
+    # exact identity under hash collisions, and how often it was found: section 8
+    prefix_id: int | None = None
+    parent_prefix_id: int | None = None
+    hits: int = 0
 
-    @property
-    def entry(self):   # what the prefix cache knows of it; a copy of its K/V takes it along
-        return self.hash, self.token_ids, self.prefix_id, self.parent_prefix_id, self.hits
+
+# a K/V copy for the engine to make before the model runs: one block of a tier (a Pool) into
+# one block of a tier (the same one, for copy-on-write)
+BlockCopy = namedtuple("BlockCopy", "src_tier src dst_tier dst")
+
 
 class Pool:
     """One tier of blocks of one shape: the device pool, the host pool or the disk pool. Each
-    block is used (ref_count > 0), cached (ref_count 0 but registered in the prefix cache: its
-    K/V reusable until evicted) or free, and moves between these in O(1)."""
+    block is used (ref_count > 0) or free (ref_count 0); a free block is cached (registered in
+    the prefix cache: its K/V reusable until evicted) or empty. Each moves in O(1)."""
 
     def __init__(self, name, num_blocks):
         self.name = name
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_block_ids = deque(range(num_blocks))   # nothing worth keeping inside
-        self.cached_block_ids = OrderedDict()            # ref_count 0, registered; LRU order
-        self.hash_to_block_ids = {}   # its part of the prefix cache: chain hash -> blocks, ordered
-        self.seqs = {}   # seq_id -> Sequence whose block table holds this pool's block ids
+        self.empty_block_ids = deque(range(num_blocks))   # free, nothing worth keeping inside
+        self.cached_block_ids = OrderedDict()   # free, registered; in LRU order
+        # its part of the prefix cache: chain hash -> ids of blocks under it, ordered
+        self.hash_to_block_ids = {}
+        # seq_id -> Sequence whose block table holds this pool's block ids
+        self.seqs = {}
 
     @property
     def num_free_blocks(self):
-        """Blocks allocatable now: truly free ones plus cached ones nobody holds (evictable)."""
-        return len(self.free_block_ids) + len(self.cached_block_ids)
+        """Blocks allocatable now: empty ones and cached ones nobody holds (evictable)."""
+        return len(self.empty_block_ids) + len(self.cached_block_ids)
+
 
 class BlockManager:
     """Hands out the blocks of three tiers, fastest first: the device pool, which attention reads;
@@ -218,19 +249,22 @@ class BlockManager:
 
     def __init__(self, num_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=True,
                  events=None, num_disk_blocks=0, cost=None):
-        check_args(num_blocks=num_blocks, block_size=block_size, num_cpu_blocks=num_cpu_blocks,
-                   num_disk_blocks=num_disk_blocks)
-        self.num_blocks, self.block_size = num_blocks, block_size
+        check_args(num_blocks=num_blocks, block_size=block_size,
+                   num_cpu_blocks=num_cpu_blocks, num_disk_blocks=num_disk_blocks)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.events = events or EventLog()   # what happened, for the view and the trace
-        self.cost = cost   # which tiers are worth loading from (section 8); None: all of them
+        # what happened, for the view and the trace
+        self.events = EventLog() if events is None else events
+        # which tiers are worth loading from (the cost rule, section 8); None: all of them
+        self.cost = cost
         self.tiers = [Pool("device", num_blocks), Pool("host", num_cpu_blocks),
                       Pool("disk", num_disk_blocks)]
         self.device, self.host, self.disk = self.tiers
-        # K/V copies to make before the model runs, in decision order (a later one may overwrite
-        # what an earlier one reads): (src tier, src block, dst tier, dst block)
+        # K/V copies to make before the model runs, in decision order (a later one may
+        # overwrite what an earlier one reads): BlockCopy records
         self.copies = deque()
-        self.prefix_ids = itertools.count()
+        self.prefix_ids = itertools.count()   # (section 8)
         self.clock = itertools.count(1)   # ticks for Block.cached_at
         # metrics, counted as they happen, under the names stats() reports (vLLM's where vLLM
         # has one); a name not counted yet reads 0:
@@ -241,54 +275,62 @@ class BlockManager:
         #   num_evictions            cached blocks dropped: their K/V lost to the cache
         #   num_offloaded_blocks     cached blocks written down a tier
         #   num_loaded_blocks        cached blocks read back up to the device
-        #   num_write_downs_skipped  evictions dropped: the tiers below full (_keeps)
+        #   num_write_downs_skipped  evictions dropped: the tiers below full (section 8)
         #   num_cow_copies           shared blocks copied before a write
         #   num_swapped_out_blocks   blocks copied to the host with their request
         #   num_swapped_in_blocks    and back
         self.counts = Counter()
 
-    # -- the hash chain: h[i] = H(h[i-1], tokens of block i), so one dictionary look-up per tier
-    #    finds a block that ends a given prefix. Hashes can collide; _cache_hits checks them.
+    # -- the hash chain: h[i] = H(h[i-1], tokens of block i), so that one dictionary look-up per
+    #    tier finds a block that ends a given prefix
     @staticmethod
     def compute_hash(parent_hash, token_ids):
         # the first block hashes its tokens alone, not (None, *tokens): before Python 3.12
         # hash(None) changes from run to run; tuples of ints hash the same every run
-        return hash(tuple(token_ids) if parent_hash is None else (parent_hash, *token_ids))
+        if parent_hash is None:
+            return hash(tuple(token_ids))
+        return hash((parent_hash, *token_ids))
 
-    def _tokens(self, seq, i):
+    def _tokens(self, seq, i):   # the tokens of seq's block i
         return tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
 
-    def _block_hash(self, seq, i):
+    def _block_hash(self, seq, i):   # seq's chain hash up to block i, computed once
         for j in range(len(seq.block_hashes), i + 1):
-            parent_hash = seq.block_hashes[-1] if j else None
+            parent_hash = seq.block_hashes[-1] if j > 0 else None
             seq.block_hashes.append(self.compute_hash(parent_hash, self._tokens(seq, j)))
         return seq.block_hashes[i]
 
     def _lookup(self, tiers, h, tokens, parent):
-        """[(tier, block)] registered as the prefix (h, tokens) after the prefix whose prefix_id is
-        parent: a hash may collide, but a parent's prefix id and a block's own tokens name one."""
-        found = [(t, t.blocks[b]) for t in tiers for b in t.hash_to_block_ids.get(h, ())]
-        return [(t, b) for t, b in found if (b.token_ids, b.parent_prefix_id) == (tokens, parent)]
+        """[(tier, block)] registered under hash h with these tokens, after the prefix whose
+        prefix_id is parent (None: the first block). Hashes may collide: a block's own tokens
+        and its parent's prefix id (section 8) tell its prefix exactly."""
+        found = []
+        for tier in tiers:
+            for block_id in tier.hash_to_block_ids.get(h, ()):
+                block = tier.blocks[block_id]
+                if block.token_ids == tokens and block.parent_prefix_id == parent:
+                    found.append((tier, block))
+        return found
 
     def _cache_hits(self, seq):
-        """[(tier, block)] holding seq's prefix, found by one walk along its hash chain, each where
-        it is (below the device: if loading beats recomputing). A prefix_id is never reused."""
+        """[(tier, block)] holding seq's prefix, found by one walk along its hash chain, each
+        where it is (below the device: if loading it beats recomputing, section 8)."""
         hits = []
-        tiers = [t for t in self.tiers if self._worth_loading(t)]
-        # the last token is always computed (its logits are needed): its block cannot hit. (With
-        # prefix caching off nothing is registered: the first look-up misses.)
+        tiers = [t for t in self.tiers if worth_loading(self, t)]
+        # the last token is always computed (its logits are needed): its block cannot hit.
+        # (With prefix caching off nothing is registered: the first look-up misses.)
         for i in range((len(seq) - 1) // self.block_size):
             parent = hits[-1][1].prefix_id if hits else None   # the prefix matched so far
-            same = self._lookup(tiers, self._block_hash(seq, i), self._tokens(seq, i), parent)
+            h = self._block_hash(seq, i)
+            same = self._lookup(tiers, h, self._tokens(seq, i), parent)
             # below the device, a swapped request's blocks are its own until it comes back
-            same = [(t, b) for t, b in same if t is self.device or not b.ref_count]
+            same = [(t, b) for t, b in same if t is self.device or b.ref_count == 0]
             if not same:
                 break   # a chain: after the first miss no later block can be this prefix's
-            hits.append(max(same, key=lambda tb: tb[1].ref_count > 0))   # held: costs no free block
+            # a block somebody holds costs no free block: it goes first
+            held = [(t, b) for t, b in same if b.ref_count > 0]
+            hits.append((held or same)[0])
         return hits
-
-    def _worth_loading(self, tier):   # the cost rule (section 8); the device always is
-        return tier is self.device or self.cost is None or self.cost.worth_loading(tier)
 
     # -- taking and returning single blocks, in any tier
     @property
@@ -296,39 +338,34 @@ class BlockManager:
         return self.device.num_free_blocks
 
     def _get_new_block(self, pool):
-        """A free block of pool; with none, the cached block freed longest ago is evicted: written
-        down to the first tier below (worth loading from) that keeps it, cached there; else dropped
-        (a write-down skipped, if a tier had room but only for a block found more often)."""
-        if not pool.free_block_ids:
-            block = pool.blocks[pool.cached_block_ids.popitem(last=False)[0]]
-            lower = [t for t in self.tiers[self.tiers.index(pool) + 1:] if self._worth_loading(t)]
-            below = next((t for t in lower if self._keeps(t, block)), None)
-            held = self._lookup(lower, block.hash, block.token_ids, block.parent_prefix_id)
-            if held:   # a tier below holds its copy already (written ahead, or swapped)
-                tier, copy = held[0]
-                copy.hits = max(copy.hits, block.hits)   # the prompts that found it count on
-                self.events.record("drop", [], [block.block_id], pool, [copy.block_id], tier)
-            elif below is not None:
-                self._write_down(pool, block, below, "write down")
-            else:   # its K/V are lost to the prefix cache
-                self.counts["num_evictions"] += 1
-                self.counts["num_write_downs_skipped"] += any(t.num_free_blocks for t in lower)
-                self.events.record("evict", [], [block.block_id], pool)
-            self._unregister(pool, block)
-            pool.free_block_ids.append(block.block_id)
-        return pool.blocks[pool.free_block_ids.popleft()]
+        """An empty block of pool; with none, the cached block freed longest ago, evicted."""
+        if not pool.empty_block_ids:
+            self._evict(pool)
+        return pool.blocks[pool.empty_block_ids.popleft()]
 
-    def _keeps(self, tier, block):
-        """Is block worth a write-down into tier? Into a free block, yes; into a full tier only if
-        it was found more often than the block it would evict (else the write is traffic for
-        nothing: the tier would drop one block it may never load for another)."""
-        next_out = [tier.blocks[b] for b in itertools.islice(tier.cached_block_ids, 1)]
-        return bool(tier.free_block_ids or next_out and block.hits > next_out[0].hits)
+    def _evict(self, pool):
+        """Take pool's cached block freed longest ago out of the prefix cache, emptied: its K/V
+        are written down to the first tier below that keeps it, else lost (which tiers keep it,
+        and a copy below that makes the write needless: section 8)."""
+        block_id, _ = pool.cached_block_ids.popitem(last=False)
+        block = pool.blocks[block_id]
+        copy_below = find_copy_below(self, pool, block)
+        below = tier_that_keeps(self, pool, block)
+        if copy_below is not None:   # written ahead, or swapped: no copy to make
+            drop(self, pool, block, copy_below)
+        elif below is not None:
+            self._write_down(pool, block, below, "write down")
+        else:   # its K/V are lost to the prefix cache
+            lose(self, pool, block)
+        self._unregister(pool, block)
+        pool.empty_block_ids.append(block_id)
 
-    def _write_down(self, pool, block, below, kind):   # a copy below, cached there
+    def _write_down(self, pool, block, below, kind):
+        """A copy of block's K/V in a block of the tier below, cached there."""
         dst = self._get_new_block(below)
-        self.copies.append((pool, block.block_id, below, dst.block_id))
-        self._register(below, dst, block.entry)   # after its copy is queued (section 9)
+        self.copies.append(BlockCopy(pool, block.block_id, below, dst.block_id))
+        # registered after its copy is queued (section 10)
+        self._register(below, dst, like=block)
         self._cache(below, dst)
         self.counts["num_offloaded_blocks"] += 1
         self.events.record(kind, [], [block.block_id], pool, [dst.block_id], below)
@@ -348,7 +385,7 @@ class BlockManager:
         if block.ref_count == 0 and block.hash is not None:
             self._cache(pool, block)
         elif block.ref_count == 0:
-            pool.free_block_ids.append(block.block_id)
+            pool.empty_block_ids.append(block.block_id)
 
     def _cache(self, pool, block):   # the most recently cached: evicted last
         block.cached_at = next(self.clock)
@@ -358,12 +395,12 @@ class BlockManager:
         """Move a lower tier's block that seq holds up into a new device block (returned): its K/V
         are copied up, its place in the prefix cache goes with them."""
         block_id = self._allocate_block(self.device)   # (evicting first, if it must)
-        self.copies.append((pool, block.block_id, self.device, block_id))
-        self.events.record("load", [seq.seq_id], [block.block_id], pool, [block_id], self.device,
-                           why=f" ({self.cost.load_figures(pool)})" if self.cost else "")
-        self._register(self.device, self.device.blocks[block_id], block.entry)
+        self.copies.append(BlockCopy(pool, block.block_id, self.device, block_id))
+        self.events.record("load", [seq.seq_id], [block.block_id], pool, [block_id],
+                           self.device, why=load_figures(self, pool))
+        self._register(self.device, self.device.blocks[block_id], like=block)
         self._unregister(pool, block)
-        self._release(pool, block)   # free: it no longer holds a prefix
+        self._release(pool, block)   # empty: it no longer holds a prefix
         self.counts["num_loaded_blocks"] += 1
         self.counts[f"{pool.name}_prefix_cache_hits"] += self.block_size
         return block_id
@@ -374,39 +411,42 @@ class BlockManager:
 
     def _set_table(self, seq, shared):
         """seq's block table: the blocks it shares (a prefix hit's, a fork's: held already), then
-        new device blocks for the rest of its tokens; the shared blocks' tokens count as computed
-        (due from the leader, for a recomputed sample). seq now lives in the device pool."""
+        new device blocks for the rest of its tokens; the shared blocks' tokens count as computed.
+        seq now lives in the device pool."""
         seq.num_computed_tokens = min(len(seq), len(shared) * self.block_size)
         num_new = self._num_blocks_for(len(seq)) - len(shared)
-        seq.block_table = list(shared) + [self._allocate_block(self.device) for _ in range(num_new)]
+        new = []
+        for _ in range(num_new):
+            new.append(self._allocate_block(self.device))
+        seq.block_table = list(shared) + new
         self.device.seqs[seq.seq_id] = seq
 
-    def num_shared(self, leader, seq):
-        """Blocks seq can share with leader, its sibling: the leading blocks that hold the same
-        tokens in both, before the block of either one's last token (its writer's own)."""
-        limit = (min(len(seq), len(leader)) - 1) // self.block_size
-        differ = (i for i in range(limit) if self._tokens(leader, i) != self._tokens(seq, i))
-        return next(differ, limit)
-
     def can_allocate(self, seq, watermark=0, siblings=()):
-        """Would allocating seq, then forking each sibling from it, leave `watermark` blocks free?
-        A hit on a held device block takes no free block; any other hit takes one."""
+        """Would allocating seq leave `watermark` blocks free? A hit on a held device block takes
+        no free block; any other hit takes one. siblings: a recomputed request's (section 8)."""
         hits = self._cache_hits(seq)
-        need = self._num_blocks_for(len(seq)) - sum(b.ref_count > 0 for _, b in hits)
-        need += sum(self._num_blocks_for(len(s)) - self.num_shared(seq, s) for s in siblings)
+        held = [b for _, b in hits if b.ref_count > 0]
+        need = self._num_blocks_for(len(seq)) - len(held)
+        need += blocks_for_siblings(self, seq, siblings)
         return self.num_free_blocks - need >= watermark
 
     def allocate(self, seq):
         assert not seq.block_table, f"seq {seq.seq_id} already holds blocks"
         hits = self._cache_hits(seq)
-        for pool, block in hits:   # held first: no block taken below can evict one of them
+        # held first: no block taken below (for a load) can evict one of them
+        for pool, block in hits:
             self._hold(pool, block)
-            block.hits += 1
-        self._set_table(seq, [b.block_id if pool is self.device else self._load(pool, b, seq)
-                              for pool, b in hits])
+            block.hits += 1   # how often found: the write-down rule's (section 8)
+        shared = []
+        for pool, block in hits:
+            if pool is self.device:
+                shared.append(block.block_id)
+            else:   # found below: loaded up into a device block
+                shared.append(self._load(pool, block, seq))
+        self._set_table(seq, shared)
         seq.num_cached_tokens = seq.num_computed_tokens   # (a hit ends before the last token)
         if hits:
-            self.events.record("prefix hit", [seq.seq_id], seq.block_table[:len(hits)],
+            self.events.record("prefix hit", [seq.seq_id], shared,
                                num_tokens=seq.num_cached_tokens)
         if self.enable_prefix_caching:
             self.counts["prefix_cache_queries"] += len(seq)
@@ -417,12 +457,14 @@ class BlockManager:
         return (len(seq) - 1) // self.block_size == len(seq.block_table)
 
     def _needs_copy(self, seq):
-        # ... or exist but be shared, and a block with ref_count > 1 is never written (both callers
-        # ask only once _needs_new_block said no: the last block exists)
+        # ... or exist but be shared, and a block with ref_count > 1 is never written (both
+        # callers ask only once _needs_new_block said no: the last block exists)
         return self.device.blocks[seq.block_table[-1]].ref_count > 1
 
     def can_append(self, seq):
-        return self.num_free_blocks > 0 or not (self._needs_new_block(seq) or self._needs_copy(seq))
+        if self.num_free_blocks > 0:
+            return True
+        return not (self._needs_new_block(seq) or self._needs_copy(seq))
 
     def append_slot(self, seq):
         """Make sure the slot of seq's last token exists and may be written. Returns (src, dst)
@@ -432,31 +474,34 @@ class BlockManager:
         elif self._needs_copy(seq):   # shared and partly filled: this writer gets its own copy
             src = self.device.blocks[seq.block_table[-1]]
             dst = self._allocate_block(self.device)
-            self.copies.append((self.device, src.block_id, self.device, dst))
+            self.copies.append(BlockCopy(self.device, src.block_id, self.device, dst))
             self._release(self.device, src)
             seq.block_table[-1] = dst
             self.counts["num_cow_copies"] += 1
             self.events.record("copy", [seq.seq_id], [src.block_id], to_ids=[dst])
             return src.block_id, dst
+        return None
 
     def fork(self, parent, child, num_blocks=None):
         """child shares parent's first num_blocks blocks (all by default): no K/V copied, their
-        ref_counts go up, fresh blocks hold the rest (a recomputed sample's, with its leader)."""
+        ref_counts go up, fresh blocks hold the rest (a recomputed sample's, section 8)."""
         shared = parent.block_table[:num_blocks]
         for block_id in shared:
             self._hold(self.device, self.device.blocks[block_id])
-        self._set_table(child, shared)   # (its hash chain: computed as asked for, _block_hash)
+        # (its hash chain: computed as asked for, _block_hash)
+        self._set_table(child, shared)
         self.events.record("fork", [child.seq_id], shared, parent=parent.seq_id)
 
     def free(self, seq, coming_back=False):
         """Drop seq's hold on its blocks, in whichever pool its table points into, tail first: the
         tail is then evicted before the prefix, which other requests are likelier to share.
-        coming_back (preempted, to be recomputed): each counts as found once more (Block.hits)."""
+        coming_back (preempted, to be recomputed): each counts as found once more."""
         pool = self.host if seq.seq_id in self.host.seqs else self.device
         for block_id in reversed(seq.block_table):
-            # (by its last holder: once, though n samples held it)
-            pool.blocks[block_id].hits += coming_back and pool.blocks[block_id].ref_count == 1
-            self._release(pool, pool.blocks[block_id])
+            block = pool.blocks[block_id]
+            if coming_back and block.ref_count == 1:   # (by its last holder: once)
+                block.hits += 1
+            self._release(pool, block)
         pool.seqs.pop(seq.seq_id, None)
         seq.block_table = []
 
@@ -467,22 +512,28 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         end = seq.num_computed_tokens // self.block_size
-        # registered blocks are a prefix of the table (computed in order; hits and forks hand out
-        # registered prefixes): walk back to where registration stops
+        # registered blocks are a prefix of the table (computed in order; hits and forks hand
+        # out registered prefixes): walk back to where registration stops
         start = end
         while start > 0 and self.device.blocks[seq.block_table[start - 1]].hash is None:
             start -= 1
         for i in range(start, end):
             block = self.device.blocks[seq.block_table[i]]
-            parent = self.device.blocks[seq.block_table[i - 1]] if i else None
-            key = (self._block_hash(seq, i), self._tokens(seq, i), parent.prefix_id if i else None)
-            # a copy of a registered prefix, in any tier, takes the original's prefix_id
-            twins = self._lookup(self.tiers, *key)
-            prefix_id = twins[0][1].prefix_id if twins else next(self.prefix_ids)
-            self._register(self.device, block, (*key[:2], prefix_id, key[2], 0))
+            block.hash = self._block_hash(seq, i)
+            block.token_ids = self._tokens(seq, i)
+            parent = self.device.blocks[seq.block_table[i - 1]] if i > 0 else None
+            name_prefix(self, block, parent)   # (section 8)
+            self._register(self.device, block)
 
-    def _register(self, pool, block, entry):   # entry: see Block.entry
-        block.hash, block.token_ids, block.prefix_id, block.parent_prefix_id, block.hits = entry
+    def _register(self, pool, block, like=None):
+        """Enter block in pool's part of the prefix cache, under its hash; like: the block whose
+        K/V it holds a copy of, whose entry it takes (hash, tokens, prefix ids, hits)."""
+        if like is not None:
+            block.hash = like.hash
+            block.token_ids = like.token_ids
+            block.prefix_id = like.prefix_id
+            block.parent_prefix_id = like.parent_prefix_id
+            block.hits = like.hits
         pool.hash_to_block_ids.setdefault(block.hash, {})[block.block_id] = None
 
     def _unregister(self, pool, block):
@@ -490,23 +541,30 @@ class BlockManager:
         del bucket[block.block_id]
         if not bucket:
             del pool.hash_to_block_ids[block.hash]
-        block.hash, block.token_ids, block.prefix_id, block.parent_prefix_id = None, (), None, None
+        block.hash = None
+        block.token_ids = ()
+        block.prefix_id = None
+        block.parent_prefix_id = None
 
     # -- swapping: a request's sequences move between the device and the host together, each
     #    distinct block once, so that the blocks they share stay shared
     def can_swap_out(self, *seqs):
         # each distinct block once (cached host blocks go down to disk)
-        return len({b for s in seqs for b in s.block_table}) <= self.host.num_free_blocks
+        distinct = {b for s in seqs for b in s.block_table}
+        return len(distinct) <= self.host.num_free_blocks
 
     def can_swap_in(self, *seqs, watermark=0):
         """Room for the distinct blocks and what the next step writes: a new block for each whose
         last is full; a copy per writer of a shared last block but one (as in append_slot)."""
         writers = [s for s in seqs if len(s) > s.num_computed_tokens]
-        distinct = {b for s in seqs for b in s.block_table}
-        new = sum(self._needs_new_block(s) for s in writers)
+        new = [s for s in writers if self._needs_new_block(s)]
         last = [s.block_table[-1] for s in writers if not self._needs_new_block(s)]
-        copies = sum(min(last.count(b), self.host.blocks[b].ref_count - 1) for b in set(last))
-        return self.num_free_blocks - len(distinct) - new - copies >= watermark
+        copies = 0
+        for block_id in set(last):
+            copies += min(last.count(block_id), self.host.blocks[block_id].ref_count - 1)
+        distinct = {b for s in seqs for b in s.block_table}
+        left = self.num_free_blocks - len(distinct) - len(new) - copies
+        return left >= watermark
 
     def swap_out(self, *seqs):
         """Move seqs to the host pool. Returns [(device_block, host_block)], queued in copies."""
@@ -520,12 +578,15 @@ class BlockManager:
         """Repoint seqs' tables from src to dst, a dst block per distinct block (tail first), and
         count the blocks moved under the metric named counter."""
         mapping = {}   # block id in src -> block id in dst
-        for block_id in (b for seq in seqs for b in reversed(seq.block_table)):
-            if block_id not in mapping:   # all taken before any is let go: none taken twice
-                mapping[block_id] = self._get_new_block(dst).block_id
-                self.copies.append((src, block_id, dst, mapping[block_id]))
-                if src.blocks[block_id].hash is not None:   # a copy of a prefix is found there too
-                    self._register(dst, dst.blocks[mapping[block_id]], src.blocks[block_id].entry)
+        for seq in seqs:
+            for block_id in reversed(seq.block_table):
+                if block_id in mapping:   # all taken before any is let go: none taken twice
+                    continue
+                new = self._get_new_block(dst).block_id
+                mapping[block_id] = new
+                self.copies.append(BlockCopy(src, block_id, dst, new))
+                if src.blocks[block_id].hash is not None:   # its copy is found there too
+                    self._register(dst, dst.blocks[new], like=src.blocks[block_id])
         seq_ids = [s.seq_id for s in seqs]
         self.events.record(kind, seq_ids, mapping.keys(), src, mapping.values(), dst)
         for seq in seqs:
@@ -550,15 +611,18 @@ class BlockManager:
 # one sequence's share of a step: it computes num_new_tokens tokens, 1 (a decode) or a chunk
 ScheduledSeq = namedtuple("ScheduledSeq", "request seq num_new_tokens")
 
+
 @dataclass
 class ScheduledBatch:
-    budget: int                                   # max_num_batched_tokens
-    entries: list = field(default_factory=list)   # ScheduledSeq of each sequence that runs
-    slot_mapping: list = field(default_factory=list)   # each token's slot (LLM._prepare fills it)
+    budget: int   # max_num_batched_tokens
+    # ScheduledSeq of each sequence that runs
+    entries: list = field(default_factory=list)
+    # each token's slot (LLM._prepare fills it)
+    slot_mapping: list = field(default_factory=list)
 
     def __post_init__(self):
-        # the entries' tokens, kept as entries come and go: a sum at every add (and is_full) would
-        # make scheduling quadratic in the batch's sequences
+        # the entries' tokens, kept as entries come and go: a sum at every add (and is_full)
+        # would make scheduling quadratic in the batch's sequences
         self.num_tokens = sum(e.num_new_tokens for e in self.entries)
 
     @property
@@ -567,7 +631,8 @@ class ScheduledBatch:
 
     def add(self, request, seq):
         # a prompt longer than what is left of the budget is computed in chunks (chunked prefill)
-        chunk = min(len(seq) - seq.num_computed_tokens, self.budget - self.num_tokens)
+        left = len(seq) - seq.num_computed_tokens
+        chunk = min(left, self.budget - self.num_tokens)
         self.entries.append(ScheduledSeq(request, seq, chunk))
         self.num_tokens += chunk
 
@@ -575,28 +640,33 @@ class ScheduledBatch:
         self.entries = [e for e in self.entries if e.request is not request]
         self.num_tokens = sum(e.num_new_tokens for e in self.entries)
 
-class Scheduler:
-    """First come, first served continuous batching of requests under a token budget per step
-    (schedule() tells the order); a sequence short of a block preempts the newest request.
-    Every line (waiting, running, swapped) is kept in rank() order: here, arrival; a
-    PriorityScheduler (section 11) ranks by priority first, and the same code serves it."""
 
-    def __init__(self, block_manager, max_num_seqs=256, max_num_batched_tokens=2048,
-                 watermark=0.01, eos_token_ids=(), preemption_mode="auto"):
-        self.block_manager = block_manager   # (LLM checks the arguments, before the model loads)
+class Scheduler:
+    """Continuous batching of requests under a token budget per step (schedule() tells the
+    order). Every line (waiting, running, swapped) is kept in rank() order: first come, first
+    served here; a PriorityScheduler (section 12) ranks by priority first, and the same code
+    serves it. A sequence short of a block preempts the last running request in rank."""
+
+    def __init__(self, block_manager, args, eos_token_ids=()):
+        self.block_manager = block_manager
         self.events = block_manager.events   # one log for the pool and the schedule
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.preemption_mode = preemption_mode
-        # admitting a prompt leaves this many blocks free, so the next decodes need not preempt
-        self.watermark_blocks = int(watermark * block_manager.num_blocks)
-        self.waiting = deque()     # requests in arrival order: preempted ones are older, in front
-        self.running = []          # requests in arrival order
-        self.swapped = []          # requests on the host pool, in arrival order
-        self.num_preemptions = 0   # requests preempted (all their sequences at once), either way
+        self.max_num_seqs = args.max_num_seqs
+        self.max_num_batched_tokens = args.max_num_batched_tokens
+        self.preemption_mode = args.preemption_mode
+        # admitting a prompt leaves this many blocks free, so that the next decodes need not
+        # preempt: 1% of the pool unless given (as vLLM)
+        self.watermark_blocks = args.watermark_blocks
+        if self.watermark_blocks is None:
+            self.watermark_blocks = int(0.01 * block_manager.num_blocks)
+        self.waiting = deque()   # in rank order: preempted requests rank before newer ones
+        self.running = []        # in rank order
+        self.swapped = []        # requests on the host pool, in rank order
+        # requests preempted (all their sequences at once), either way
+        self.num_preemptions = 0
 
     def has_unfinished(self):
-        return bool(self.waiting or self.running or self.swapped)
+        return len(self.waiting) + len(self.running) + len(self.swapped) > 0
 
     def rank(self, request):   # the order of every line: first come, first served
         return request.request_id
@@ -604,10 +674,12 @@ class Scheduler:
     def enqueue(self, line, request):   # into waiting, running or swapped, in rank order
         bisect.insort(line, request, key=self.rank)
 
-    def _watermark(self):   # with nothing running no decode can starve: a request may fill the pool
+    def _watermark(self):
+        # with nothing running no decode can starve: a request may fill the pool
         return self.watermark_blocks if self.running else 0
 
-    def _start_running(self, request, batch):   # its sequences with tokens to compute join batch
+    def _start_running(self, request, batch):
+        """The request runs: its sequences with tokens to compute join batch."""
         request.status = RequestStatus.RUNNING
         self.enqueue(self.running, request)
         for seq in request.seqs:
@@ -619,22 +691,22 @@ class Scheduler:
     def _ready(seq):
         """Has seq tokens to compute, with the K/V it reads in place? Not a beam waiting for its
         round, nor a recomputed sample whose leader has not computed their shared blocks yet."""
-        behind_leader = seq.num_written_tokens < seq.num_computed_tokens   # some K/V due from it
+        behind_leader = seq.num_written_tokens < seq.num_computed_tokens
         return not behind_leader and len(seq) > seq.num_computed_tokens
 
     def schedule(self) -> ScheduledBatch:
         bm = self.block_manager
         batch = ScheduledBatch(self.max_num_batched_tokens)
         num_preemptions = self.num_preemptions
-        # 1. running requests, first in rank (oldest) first, so that decodes keep a steady pace:
-        #    each sequence's next token or chunk (a budget run out leaves samples a token apart)
+        # 1. running requests, first in rank first, so that decodes keep a steady pace: each
+        #    sequence's next token or chunk (a budget run out leaves samples a token apart)
         for request in list(self.running):
             for seq in filter(self._ready, request.seqs):
                 if request.status is not RequestStatus.RUNNING or batch.is_full:
-                    break   # preempted (by itself, or by an older request's need), or no budget
-                # short of a block: preempt the last running request in rank (the newest) until
-                # seq has one; once the last is seq's own request, it gave its blocks back and
-                # waits like the others
+                    break   # preempted (by itself, or for a request ranked before), or no budget
+                # short of a block: preempt the last running request in rank until seq has one;
+                # once the last is seq's own request, it gave its blocks back and waits like
+                # the others
                 while request.status is RequestStatus.RUNNING and not bm.can_append(seq):
                     self.preempt(self.running[-1], batch)
                 if request.status is RequestStatus.RUNNING:
@@ -644,13 +716,15 @@ class Scheduler:
         if self.num_preemptions > num_preemptions:
             return batch
         # 2. the next in line, while it fits: a swapped request before any waiting one (nobody
-        #    overtakes a preempted request), then the waiting requests, first come first served
+        #    overtakes a preempted request), then the waiting requests, in rank order
         while request := self._next_in_line(batch):
             leader, *others = request.seqs
             # its sequences (all it may fork) beside the running ones' must fit in max_num_seqs
-            if sum(r.max_num_running_seqs for r in [*self.running, request]) > self.max_num_seqs:
+            num_seqs = sum(r.max_num_running_seqs for r in [*self.running, request])
+            if num_seqs > self.max_num_seqs:
                 break
-            # a swapped request's swap-in may start though the step has no budget left: prefetch
+            # a swapped request's swap-in may start though the step has no budget left:
+            # a prefetch
             if request.status is RequestStatus.SWAPPED:
                 if not bm.can_swap_in(*request.seqs, watermark=self._watermark()):
                     break
@@ -659,8 +733,10 @@ class Scheduler:
                 self._start_running(request, batch)
                 continue
             if not bm.can_allocate(leader, self._watermark(), others):
-                if bm.can_allocate(leader, 0, others):   # it fits, but would leave too few free
-                    self.events.record("watermark", [leader.seq_id], num_blocks=self._watermark())
+                # it fits, but would leave too few blocks free
+                if bm.can_allocate(leader, 0, others):
+                    num_blocks = self._watermark()
+                    self.events.record("watermark", [leader.seq_id], num_blocks=num_blocks)
                 break
             self.waiting.popleft()
             self._admit(request, batch)
@@ -669,23 +745,23 @@ class Scheduler:
     def _next_in_line(self, batch):   # the first swapped request, else the first waiting one
         if self.swapped:
             return self.swapped[0]
-        return self.waiting[0] if self.waiting and not batch.is_full else None
+        if self.waiting and not batch.is_full:
+            return self.waiting[0]
+        return None
 
     def _admit(self, request, batch):
-        """Allocate a waiting request's blocks, all its sequences at once. A recomputed n>1 or
-        beam request's samples fork again from the first, the leader, sharing the blocks of equal
-        tokens; the leader computes those (the one write to a block with ref_count > 1, before
-        anybody reads it), the others wait for it (waits_for), then compute their own."""
+        """Allocate a waiting request's blocks, all its sequences at once: its tokens are prefill.
+        A recomputed n>1 or beam request's samples fork from the first again (section 8)."""
         leader, *others = request.seqs
         self.block_manager.allocate(leader)
         for seq in others:
-            self.block_manager.fork(leader, seq, self.block_manager.num_shared(leader, seq))
-            seq.waits_for = leader
+            fork_from_leader(self.block_manager, leader, seq)
         for seq in request.seqs:
             seq.prefill_until = len(seq)
         self._start_running(request, batch)
 
-    def _choose_mode(self, request):   # (mode, why: for the trace)
+    def _choose_mode(self, request):
+        """(mode, why: for the trace): preemption_mode's, or for "auto" the cost rule's."""
         bm = self.block_manager
         if self.preemption_mode == "recompute":
             return "recompute", ""
@@ -693,15 +769,18 @@ class Scheduler:
             return "recompute", "no room for its blocks in the host pool"
         if self.preemption_mode == "swap" or bm.cost is None:
             return "swap", ""
-        return bm.cost.cheaper_mode(bm, request)   # auto: the cost rule, its figures (section 8)
+        return bm.cost.cheaper_mode(bm, request)   # auto: the cost rule (section 8)
 
     def preempt(self, request, batch, mode=None):
         """Take a running request's blocks back, all at once: swapped to the host pool, to resume
         where it was, or freed (the prefix cache may keep much), to be recomputed, in front."""
-        mode, why = (mode, "") if mode else self._choose_mode(request)
+        why = ""
+        if mode is None:
+            mode, why = self._choose_mode(request)
         held = sorted({b for s in request.seqs for b in s.block_table})
-        self.events.record("preempt", [s.seq_id for s in request.seqs], held, mode=mode,
-                           why=f" ({why})" if why else "")
+        seq_ids = [s.seq_id for s in request.seqs]
+        why = f" ({why})" if why else ""
+        self.events.record("preempt", seq_ids, held, mode=mode, why=why)
         self.running.remove(request)
         batch.remove(request)
         if mode == "swap":
@@ -720,7 +799,7 @@ class Scheduler:
             seq.waits_for = None
             seq.logprobs = None   # a beam computes its log-probs again
         request.status = RequestStatus.WAITING
-        self.enqueue(self.waiting, request)   # in front of newer requests
+        self.enqueue(self.waiting, request)   # in rank order: before newer requests
 
     def postprocess(self, batch, sampled):
         """After the model ran: advance each sequence, register its newly full blocks, append the
@@ -733,9 +812,12 @@ class Scheduler:
             if seq not in sampled:
                 continue   # in the middle of its prompt, or a beam (the engine picks beams)
             tokens = sampled[seq]
-            request.first_token_time = request.first_token_time or now
+            if request.first_token_time is None:
+                request.first_token_time = now
             # n tokens: an n>1 request's first, from one prompt's logits: its samples fork here
-            samples = [seq] + [self.fork_seq(request, seq, index=i) for i in range(1, len(tokens))]
+            samples = [seq]
+            for index in range(1, len(tokens)):
+                samples.append(self.fork_seq(request, seq, index))
             for s, token in zip(samples, tokens):
                 s.append_token(token)
                 if token in self.eos_token_ids and not request.params.ignore_eos:
@@ -743,9 +825,9 @@ class Scheduler:
                 elif s.num_output_tokens >= request.params.max_tokens:
                     self.finish(request, s, "length")
 
-    # a new sequence of request with parent's tokens (its prompt as long): sample `index` (or a
-    # beam), sharing parent's blocks
     def fork_seq(self, request, parent, index=0):
+        """A new sequence of request with parent's tokens (its prompt as long): sample `index`
+        (or a beam), sharing parent's blocks."""
         child = Sequence(parent.token_ids, parent.request_id, index)
         child.num_prompt_tokens = parent.num_prompt_tokens
         self.block_manager.fork(parent, child)
@@ -753,7 +835,8 @@ class Scheduler:
         return child
 
     def finish(self, request, seq, reason):
-        seq.finish_reason, seq.finish_time = reason, time.perf_counter()
+        seq.finish_reason = reason
+        seq.finish_time = time.perf_counter()
         self.events.record("finish", [seq.seq_id], seq.block_table, reason=reason)
         self.block_manager.free(seq)
         request.seqs.remove(seq)
@@ -765,14 +848,16 @@ class Scheduler:
 # ----------------------------------------------------------------------------------------------
 # 4. The engine
 
-# what generate() returns. outputs: n CompletionOutputs by sample index, finish_reason "stop" (eos)
-# or "length", token_ids after the prompt; ttft, tpot: seconds to the first token, per later one
+# what generate() returns. outputs: n CompletionOutputs by sample index, finish_reason "stop"
+# (eos) or "length", token_ids after the prompt; ttft, tpot: seconds to the first token, and
+# per later one
 RequestOutput = namedtuple("RequestOutput", "request_id prompt_token_ids outputs ttft tpot")
 CompletionOutput = namedtuple("CompletionOutput", "index token_ids text finish_reason")
 
-# what one step did, for whoever watches (LLM.on_step): its number, the ScheduledBatch it ran, the
-# events it caused, the metrics after it (stats()), and how long it took in seconds
+# what one step did, for whoever watches (LLM.on_step): its number, the ScheduledBatch it ran,
+# the events it caused, the metrics after it (stats()), and how long it took in seconds
 StepReport = namedtuple("StepReport", "step batch events stats seconds")
+
 
 def sample(logits, request, i, best):
     """One token for sample i of request. logits: (vocab,) float32 on the CPU; best: its argmax,
@@ -787,79 +872,76 @@ def sample(logits, request, i, best):
     if params.top_p < 1:
         sorted_logits, order = logits.sort(descending=True)
         probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs >= params.top_p   # the tokens after top_p is reached
-        # the kept logits, back in vocabulary order
-        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return int(torch.multinomial(logits.softmax(-1), 1, generator=request.generators[i]))
+        # the tokens after top_p is reached are dropped
+        drop = probs.cumsum(-1) - probs >= params.top_p
+        kept = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = logits.scatter(0, order, kept)   # back in vocabulary order
+    probs = logits.softmax(-1)
+    return int(torch.multinomial(probs, 1, generator=request.generators[i]))
+
 
 def as_tensor(values, dtype, device):
     """torch.tensor(values, dtype=dtype, device=device) for a list of ints, through an array:
     torch.tensor reads a list an element at a time (~60 ns each, thousands a step), frombuffer
     takes the array's memory whole."""
-    # (one more value, cut off after: frombuffer takes no empty buffer)
-    return torch.frombuffer(array.array("q", [*values, 0]), dtype=torch.long)[:-1].to(device, dtype)
+    # one value more, cut off after: frombuffer takes no empty buffer
+    buffer = array.array("q", [*values, 0])
+    return torch.frombuffer(buffer, dtype=torch.long)[:-1].to(device, dtype)
+
 
 class LLM:
     """The engine: owns the model, the KV cache pools, the block manager and the scheduler.
-    generate() adds requests and runs step() (one batch through the model) until they finish."""
+    generate() adds requests and runs step() (one batch through the model) until they finish.
+    Its knobs are EngineArgs' (section 5): LLM("random:tiny", block_size=4, num_blocks=24)."""
 
-    def __init__(self, model=None, device=None, dtype=None, block_size=16, num_blocks=None,
-                 num_cpu_blocks=0, num_disk_blocks=0, disk_path=None, enable_prefix_caching=True,
-                 max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=None,
-                 preemption_mode="auto", seed=0, kv_cache_dtype="auto",
-                 offload_kv_cache_dtype="auto", async_copies=True, tier_gbps=None,
-                 scheduling_policy="fcfs", priority_aging_steps=0):
-        # the arguments are checked before the model loads, which takes seconds (section 5)
-        check_engine_args(**{k: v for k, v in locals().items() if k != "self"})
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    def __init__(self, model=None, **kwargs):
+        # every knob is checked (a ValueError) before the model loads, which takes seconds
+        args = EngineArgs(model, **kwargs)
+        default = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(args.device or default)
         cuda = self.device.type == "cuda"
         # dtype: a name (FLOATS, section 5), torch's dtype, or None: the device's usual one
-        self.dtype = FLOATS.get(dtype, dtype) or (torch.bfloat16 if cuda else torch.float32)
-        self.model, self.tokenizer, eos_token_ids = load_model(model, self.device, self.dtype, seed)
+        self.dtype = FLOATS.get(args.dtype, args.dtype)
+        if self.dtype is None:
+            self.dtype = torch.bfloat16 if cuda else torch.float32
+        loaded = load_model(args.model, self.device, self.dtype, args.seed)
+        self.model, self.tokenizer, eos_token_ids = loaded
         cfg = self.model.config
-        self.max_model_len = max_model_len or cfg.max_position_embeddings
-        # a block holds K and V of block_size tokens in every layer: one block id serves all layers;
-        # an INT8 cache (kv_cache_dtype="int8", section 8) holds a scale too, after each row
-        kv_dtype = torch.int8 if kv_cache_dtype == "int8" else self.dtype
-        block = (2, cfg.num_layers, block_size, cfg.num_kv_heads, kv_row(cfg.head_dim, kv_dtype))
+        self.max_model_len = args.max_model_len or cfg.max_position_embeddings
+        # a block holds K and V of block_size tokens in every layer: one block id serves all
+        # layers (an INT8 cache, kv_cache_dtype="int8", holds a scale too: section 9)
+        kv_dtype = torch.int8 if args.kv_cache_dtype == "int8" else self.dtype
+        row = kv_row(cfg.head_dim, kv_dtype)
+        block = (2, cfg.num_layers, args.block_size, cfg.num_kv_heads, row)
         bytes_per_block = math.prod(block) * kv_dtype.itemsize
         # the pool by default: on CUDA 80% of what the weights leave free (vLLM's
         # gpu_memory_utilization), on a CPU 1 GiB
+        num_blocks = args.num_blocks
         if num_blocks is None:
             budget = 0.8 * torch.cuda.mem_get_info(self.device)[0] if cuda else 2**30
             num_blocks = max(1, int(budget // bytes_per_block))
-        # the tiers below hold blocks in offload_kv_cache_dtype ("auto": as the device's)
-        low_dtype = torch.int8 if offload_kv_cache_dtype == "int8" else kv_dtype
-        low_block = block[:-1] + (kv_row(cfg.head_dim, low_dtype),)
-        # the pools against this machine's memory, max_model_len against the model's (section 5)
-        check_loaded_model(self, num_blocks, num_cpu_blocks, bytes_per_block,
-                           math.prod(low_block) * low_dtype.itemsize)
+        # the pools against this machine's memory, max_model_len against the model's
+        check_loaded_model(self, args, num_blocks, block, kv_dtype)   # (section 5)
         # (2, num_layers, num_blocks, block_size, kv_heads, head_dim): K and V of every block
         shape = block[:2] + (num_blocks,) + block[2:]
         self.kv_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
-        # the tiers below: host memory (pinned on CUDA) and a file mapped into memory (section 8)
-        host_shape, disk_shape = (low_block[:2] + (n,) + low_block[2:]
-                                  for n in (num_cpu_blocks, num_disk_blocks))
-        self.kv_caches = {"device": self.kv_cache,
-                          "host": torch.zeros(host_shape, dtype=low_dtype, pin_memory=cuda),
-                          "disk": open_disk_pool(disk_path, disk_shape, low_dtype)}
-        # a block copy between tiers, over a link as slow as tier_gbps says (section 8); with
-        # async_copies the copy engine makes them in the background
-        self.links = Links(self.kv_caches, tier_gbps or {})
-        self.copy_engine = CopyEngine(self) if async_copies else None
-        # the cost rule (section 8): each tier's block copy timed now, each step's tokens after it
-        cost = CostModel.measure(self, block_size)
+        # the tiers below (host memory, a disk file), the block copier between them, the copy
+        # engine that makes copies in the background (async_copies, the default) and the cost
+        # rule: section 9 builds them
+        tiers = build_tiers(self, args, block)
+        self.kv_caches, self.copier, self.copy_engine, cost = tiers
         # callables that get every step's StepReport: the cost rule, the view
         self.on_step = [cost.observe]
         self.events = EventLog()   # what happened, as records (section 7)
-        self.block_manager = BlockManager(num_blocks, block_size, num_cpu_blocks,
-                                          enable_prefix_caching, self.events, num_disk_blocks, cost)
-        # "priority": the lines ordered by each request's priority, aged (section 11)
-        policy = Scheduler if scheduling_policy == "fcfs" else functools.partial(
-            PriorityScheduler, aging_steps=priority_aging_steps)
-        self.scheduler = policy(self.block_manager, max_num_seqs, max_num_batched_tokens,
-                                eos_token_ids=eos_token_ids, preemption_mode=preemption_mode)
-        self.seed = seed
+        self.block_manager = BlockManager(num_blocks, args.block_size, args.num_cpu_blocks,
+                                          args.enable_prefix_caching, self.events,
+                                          args.num_disk_blocks, cost)
+        # scheduling_policy="priority": the lines ordered by each request's priority (section 12)
+        policy = Scheduler
+        if args.scheduling_policy == "priority":
+            policy = PriorityScheduler
+        self.scheduler = policy(self.block_manager, args, eos_token_ids)
+        self.seed = args.seed
         self.request_ids = itertools.count()
         self.requests = {}   # request_id -> Request, until its output is returned
         self.num_steps = 0
@@ -868,7 +950,8 @@ class LLM:
         # as vLLM does after start-up (freeze_gc_heap): what exists now (the imports, the model)
         # leaves the garbage collector's full scans: ~0.2 s each on a CPU, in the middle of a step
         gc.freeze()
-        atexit.register(gc.unfreeze)   # (at exit all of it goes back, to the last collection)
+        # at exit all of it goes back, to the last collection
+        atexit.register(gc.unfreeze)
 
     # -- requests in
     def add_requests(self, prompts, params=None, kind=SamplingParams, priority=None):
@@ -877,13 +960,15 @@ class LLM:
         request_ids = []
         # every prompt tokenized and checked (ValueError) before any is queued (section 5)
         checked = checked_requests(self, prompts, params, kind, priority)
-        with interrupts_held():   # Ctrl-C waits until all are queued (section 9)
+        with Interrupts():   # Ctrl-C waits until all are queued (section 10)
             for token_ids, p, priority in checked:
                 request_id = next(self.request_ids)
-                seed = getattr(p, "seed", None)
-                seed = (self.seed * 1_000_003 + request_id) % 2**63 if seed is None else seed
-                self.requests[request_id] = Request(request_id, token_ids, p, seed, priority)
-                self.scheduler.enqueue(self.scheduler.waiting, self.requests[request_id])
+                seed = getattr(p, "seed", None)   # (beam search: none)
+                if seed is None:
+                    seed = (self.seed * 1_000_003 + request_id) % 2**63
+                request = Request(request_id, token_ids, p, seed, priority)
+                self.requests[request_id] = request
+                self.scheduler.enqueue(self.scheduler.waiting, request)
                 request_ids.append(request_id)
         return request_ids
 
@@ -900,50 +985,67 @@ class LLM:
     def _run(self, prompts, params, kind, live, priority):
         """Queue, step, return the outputs; a call that raises (Ctrl-C too) drops its requests."""
         check_args(live=live)   # a bool, or a ValueError (section 5)
+        # filled in place: the drop below sees what was queued when it runs
         request_ids = []
-        # if anything below raises, this call's requests are dropped with their blocks (section 9)
+        # if anything below raises, this call's requests are dropped with their blocks
+        # (section 10)
         with recovery(lambda: abort(self, request_ids)):
-            with interrupts_held():   # queued and known here, or not queued at all
+            with Interrupts():   # queued and known here, or not queued at all
                 request_ids += self.add_requests(prompts, params, kind, priority)
             requests = [self.requests[r] for r in request_ids]
-            with View(self) if live else contextlib.nullcontext():   # the live view (section 12)
+            view = View(self) if live else contextlib.nullcontext()   # (section 13)
+            with view:
                 while any(r.status is not RequestStatus.FINISHED for r in requests):
                     self.step()
-            return [self.output(r) for r in request_ids]
+            outputs = []
+            for request_id in request_ids:
+                outputs.append(self.output(request_id))
+            return outputs
 
     def output(self, request_id):
         """A finished request's RequestOutput (BeamSearchOutput for beam search), taken out."""
         request = self.requests.get(request_id) if is_int(request_id) else None
-        require(request is not None and request.status is RequestStatus.FINISHED,
-                f"request {request_id} is unknown, unfinished or already returned")
-        # beam search: the best hypotheses, by vLLM's length-penalized score (section 10)
-        out = beam_output(self, request) if request.is_beam_search else self._output(request)
-        del self.requests[request_id]   # only once its output is made: an error there loses nothing
+        done = request is not None and request.status is RequestStatus.FINISHED
+        require(done, f"request {request_id} is unknown, unfinished or already returned")
+        if request.is_beam_search:   # the best hypotheses, by vLLM's score (section 11)
+            out = beam_output(self, request)
+        else:
+            out = self._output(request)
+        # only once its output is made: an error there loses nothing
+        del self.requests[request_id]
         return out
 
     def _output(self, request):
         seqs = sorted(request.finished, key=lambda s: s.index)
-        outs = [CompletionOutput(s.index, s.output_token_ids, self._detokenize(s.output_token_ids),
-                                 s.finish_reason) for s in seqs]
+        outs = []
+        for s in seqs:
+            text = self._detokenize(s.output_token_ids)
+            outs.append(CompletionOutput(s.index, s.output_token_ids, text, s.finish_reason))
         ttft = request.first_token_time - request.arrival_time
-        tpot = sum((s.finish_time - request.first_token_time) / max(1, s.num_output_tokens - 1)
-                   for s in seqs) / len(seqs)
+        tpot = 0.0
+        for s in seqs:
+            tpot += (s.finish_time - request.first_token_time) / max(1, s.num_output_tokens - 1)
+        tpot /= len(seqs)
         return RequestOutput(request.request_id, request.prompt_token_ids, outs, ttft, tpot)
 
     def _detokenize(self, token_ids):
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     # -- one step
     def step(self):
-        """One engine step (the story is in _step); one that raises is undone first (section 9)."""
+        """One engine step (the story is in _step); one that raises is undone first (section 10)."""
         require(self.scheduler.has_unfinished(), "step(): nothing to run; add_requests() first")
         t0 = time.perf_counter()
         self.events.step = self.num_steps + 1
-        with recovery(Undo(self).restore):   # if it raises, what it changed is put back first
+        # if it raises, what it changed is put back first
+        with recovery(Undo(self).restore):
             batch = self._step()
             self.num_steps += 1
             seconds = time.perf_counter() - t0
-            report = StepReport(self.num_steps, batch, self.events.take(), self.stats(), seconds)
+            events = self.events.take()
+            report = StepReport(self.num_steps, batch, events, self.stats(), seconds)
         for callback in self.on_step:
             callback(report)
         return report
@@ -951,45 +1053,52 @@ class LLM:
     def _step(self):
         batch = self.scheduler.schedule()
         assert batch.entries, "the scheduler found nothing to run: a request outgrew its bound"
-        # 1. the block copies scheduling queued (copy-on-write, swaps, tiers), before any K/V write
-        batch = self.copy_blocks(batch)
+        # 1. the block copies scheduling queued (copy-on-write, swaps, tiers), before any K/V
+        #    write. By default (async_copies) the copy engine makes them in the background, and a
+        #    request whose blocks are still on their way sits the step out (section 9)
+        if self.copy_engine is None:
+            self.copy_blocks()
+        else:
+            batch = self.copy_engine.start(self, batch)
         # 2. the batch as tensors (model.Batch), and the sequences whose logits are sampled
         model_batch, to_sample = self._prepare(batch)
-        # 3. the model writes every new token's K/V into its slot and returns logits to sample
-        logits = self.model(model_batch, self.kv_cache).cpu()   # (len(to_sample), vocab) float32
-        check_logits(self, logits, to_sample)   # NaN or inf: an error naming them (section 9)
+        # 3. the model writes every new token's K/V into its slot and returns logits to sample:
+        #    (len(to_sample), vocab) float32
+        logits = self.model(model_batch, self.kv_cache).cpu()
+        check_logits(self, logits, to_sample)   # NaN or inf: an error naming them (section 10)
         # 4. sampling, each sample from its own random stream (an n>1 request's first token: n
         #    draws, it forks on them in postprocess); a beam keeps its log-probs for step 6. The
         #    greedy picks, every row's argmax, come from one call
         sampled = {}
-        for (request, seq), row, best in zip(to_sample, logits, logits.argmax(-1).tolist()):
+        best = logits.argmax(-1).tolist()
+        for (request, seq), row, pick in zip(to_sample, logits, best):
             if request.is_beam_search:
                 seq.logprobs = row.log_softmax(-1)
-            else:
-                samples = [seq.index] if request.past_first_token else range(request.params.n)
-                sampled[seq] = [sample(row, request, i, best) for i in samples]
+                continue
+            draws = [seq.index] if request.past_first_token else range(request.params.n)
+            sampled[seq] = []
+            for i in draws:
+                sampled[seq].append(sample(row, request, i, pick))
         # 5. metrics (the prefill tokens computed are counted in _prepare), then the scheduler
         #    advances the sequences
         self.num_generated_tokens += sum(len(t) for t in sampled.values())
         self.scheduler.postprocess(batch, sampled)
-        # 6. beam search (section 10): a round once every live beam of a request has log-probs
+        # 6. beam search (section 11): a round once every live beam of a request has log-probs
         for request in list(self.scheduler.running):
-            if request.is_beam_search and all(b.logprobs is not None for b in request.seqs):
+            if not request.is_beam_search:
+                continue
+            if all(b.logprobs is not None for b in request.seqs):
                 self.num_generated_tokens += beam_round(self.scheduler, request)
         return batch
 
-    def copy_blocks(self, batch):
+    def copy_blocks(self):
         """Make the queued copies in order, each a block's K and V in all layers, blocking (a host
-        block written from the device may be read for the disk next); made, it leaves the queue.
-        Returns the batch to run. With async_copies the copy engine makes them in the background
-        instead, and a request whose blocks are still on their way sits the step out (section 8)."""
-        if self.copy_engine:
-            return self.copy_engine.start(self, batch)
+        block written from the device may be read for the disk next); made, one leaves the queue.
+        (With async_copies, CopyEngine.start takes this step's place: section 9.)"""
         copies = self.block_manager.copies
         while copies:
-            self.links.copy(*copies[0])
+            self.copier.copy(*copies[0])
             copies.popleft()
-        return batch
 
     def _prepare(self, batch):
         """ScheduledBatch -> (model.Batch, to_sample: [(request, seq)]). Shapes: see model.Batch.
@@ -998,15 +1107,18 @@ class LLM:
         input_ids, positions, logits_indices, to_sample = [], [], [], []
         query_start_loc, context_lens = [0], []
         for request, seq, num_new in batch.entries:
-            start = seq.num_computed_tokens   # this step computes positions start .. end - 1
+            # this step computes positions start .. end - 1
+            start = seq.num_computed_tokens
             end = start + num_new
             # prefill: the positions before prefill_until
-            self.num_prefill_tokens_computed += max(0, min(end, seq.prefill_until) - start)
+            prefill_end = min(end, seq.prefill_until)
+            self.num_prefill_tokens_computed += max(0, prefill_end - start)
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
             # each token's slot, kept in the batch too: the trace shows where decodes write
-            batch.slot_mapping += [seq.block_table[p // block_size] * block_size + p % block_size
-                                   for p in range(start, end)]
+            for p in range(start, end):
+                block_id = seq.block_table[p // block_size]
+                batch.slot_mapping.append(block_id * block_size + p % block_size)
             query_start_loc.append(query_start_loc[-1] + num_new)
             context_lens.append(end)
             if end == len(seq):   # the chunk reaches the last token: its logits sample
@@ -1015,16 +1127,20 @@ class LLM:
         tables = [e.seq.block_table for e in batch.entries]
         max_blocks = max(map(len, tables))
         # the block tables row after row, each padded to the longest (the padding is masked)
-        block_tables = [b for t in tables for b in t + [0] * (max_blocks - len(t))]
-        int64 = functools.partial(as_tensor, dtype=torch.long, device=self.device)
-        int32 = functools.partial(as_tensor, dtype=torch.int32, device=self.device)
-        model_batch = Batch(input_ids=int64(input_ids),
-                            positions=int64(positions),
-                            slot_mapping=int64(batch.slot_mapping),
-                            block_tables=int32(block_tables).view(len(tables), max_blocks),
-                            context_lens=int32(context_lens),
-                            query_start_loc=int32(query_start_loc),
-                            logits_indices=int64(logits_indices),
+        block_tables = []
+        for table in tables:
+            block_tables += table + [0] * (max_blocks - len(table))
+
+        def ints(values, dtype):
+            return as_tensor(values, dtype, self.device)
+
+        model_batch = Batch(input_ids=ints(input_ids, torch.long),
+                            positions=ints(positions, torch.long),
+                            slot_mapping=ints(batch.slot_mapping, torch.long),
+                            block_tables=ints(block_tables, torch.int32).view(len(tables), max_blocks),
+                            context_lens=ints(context_lens, torch.int32),
+                            query_start_loc=ints(query_start_loc, torch.int32),
+                            logits_indices=ints(logits_indices, torch.long),
                             max_query_len=max(e.num_new_tokens for e in batch.entries),
                             max_context_len=max(context_lens))
         return model_batch, to_sample
@@ -1033,11 +1149,44 @@ class LLM:
         return engine_stats(self)   # (section 7)
 
 # ==============================================================================================
-# reading path ends here. Every mechanism is above; below, sections 5-13, for a second reading
+# reading path ends here. Every mechanism is above; below, sections 5-14, for a second reading
 # ==============================================================================================
 
 # ----------------------------------------------------------------------------------------------
-# 5. API guards: bad input stops at the API, before anything changes or any work starts
+# 5. The knobs, and the API guards: bad input stops at the API, before anything changes or any
+#    work starts
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Every knob of LLM, vLLM's names, checked as it is made (a ValueError naming the knob)."""
+    # None/"smollm2": the default model; a local directory; "random:<preset>" (model.PRESETS)
+    model: str | None = None
+    device: str | None = None   # None: cuda if available, else cpu
+    dtype: str | None = None    # None: float32 on a CPU, bfloat16 on CUDA (FLOATS)
+    block_size: int = 16        # tokens a block holds
+    num_blocks: int | None = None   # the device pool; None: from a memory budget (LLM)
+    num_cpu_blocks: int = 0     # the host pool: swapped requests, cached blocks evicted
+    num_disk_blocks: int = 0    # the disk pool: cached blocks evicted from the host
+    disk_path: str | None = None    # the disk pool's file; None: a temporary one
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256     # sequences running at once, at most
+    max_num_batched_tokens: int = 2048   # tokens a step computes, at most
+    max_model_len: int | None = None     # a request's tokens, at most; None: the model's
+    preemption_mode: str = "auto"        # "recompute", "swap" or "auto" (the cost rule)
+    seed: int = 0
+    kv_cache_dtype: str = "auto"         # "auto" (the model's dtype) or "int8"
+    offload_kv_cache_dtype: str = "auto"   # the host's and disk's: "auto" (as the device's)
+    async_copies: bool = True            # copies between tiers in the background
+    tier_gbps: dict | None = None        # emulated links: {"host": GB/s, "disk": GB/s}
+    scheduling_policy: str = "fcfs"      # "fcfs" or "priority"
+    priority_aging_steps: int = 0        # a priority level better every K steps waited
+    # blocks admitting a prompt leaves free for running decodes; None: 1% of the pool
+    watermark_blocks: int | None = None
+
+    def __post_init__(self):
+        check_fields(self)
+        check_engine_args(self)
+
 
 def require(ok, message):   # a ValueError saying what is wrong and what is allowed
     if not ok:
@@ -1045,7 +1194,8 @@ def require(ok, message):   # a ValueError saying what is wrong and what is allo
 
 
 def is_int(x):
-    return isinstance(x, int) and not isinstance(x, bool)   # True is an int to Python, not to us
+    # True is an int to Python, not to us
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def is_count(x, low):   # an int from low to MAX_COUNT
@@ -1053,7 +1203,13 @@ def is_count(x, low):   # an int from low to MAX_COUNT
 
 
 def is_number(x):   # a finite int or float
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    return math.isfinite(x)
+
+
+def is_power_of_two(x):
+    return is_int(x) and x >= 1 and x == 2 ** (x.bit_length() - 1)
 
 
 MIN_TEMPERATURE = 0.01   # logits / temperature overflow float32 near 1e-38; 0 means greedy
@@ -1062,15 +1218,23 @@ MAX_LENGTH_PENALTY = 10  # 131072 ** 10 is about 1e51: no overflow, no division 
 MAX_COUNT = 2**31 - 1    # a count's most: a step's int32 tensors (block ids, offsets) hold it
 MIN_GBPS = 1e-9          # the slowest link emulated, a byte a second (1e-300: past any timer)
 FLOATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = [*FLOATS, *FLOATS.values()]
 
-# every parameter of LLM, SamplingParams and BeamSearchParams checked on its own: (is a value
-# allowed?, what is allowed). device and disk_path, and the rules across parameters, come after
+
+def are_links(x):   # tier_gbps: a dict of GB/s by tier below the device
+    if not isinstance(x, dict):
+        return False
+    return all(k in ("host", "disk") and is_number(v) and v >= MIN_GBPS for k, v in x.items())
+
+
+# every knob of EngineArgs, SamplingParams and BeamSearchParams checked on its own: (is a value
+# allowed?, what is allowed). device and disk_path, and the rules across knobs, come after
 ARG_RULES = {
-    "model": (lambda x: x is None or isinstance(x, str), "None, a directory or 'random:<preset>'"),
-    "dtype": (lambda x: x is None or x in [*FLOATS, *FLOATS.values()],
+    "model": (lambda x: x is None or isinstance(x, str),
+              "None, a directory or 'random:<preset>'"),
+    "dtype": (lambda x: x is None or x in DTYPES,
               "None, 'float32', 'bfloat16', 'float16' (or torch's)"),
-    "block_size": (lambda x: is_int(x) and x >= 1 and not x & (x - 1),
-                   "a positive power of two (1, 2, 4, ... 16 ...)"),
+    "block_size": (is_power_of_two, "a positive power of two (1, 2, 4, ... 16 ...)"),
     "preemption_mode": (lambda x: x in ("recompute", "swap", "auto"),
                         "'recompute', 'swap' or 'auto'"),
     "scheduling_policy": (lambda x: x in ("fcfs", "priority"), "'fcfs' or 'priority'"),
@@ -1079,27 +1243,30 @@ ARG_RULES = {
                     f"0 (greedy) or a number >= {MIN_TEMPERATURE}"),
     "top_p": (lambda x: is_number(x) and MIN_TOP_P <= x <= 1,
               f"a number in (0, 1], at least {MIN_TOP_P}"),
-    "length_penalty": (lambda x: is_number(x) and abs(x) <= MAX_LENGTH_PENALTY,   # a finite power
+    # a finite power: see MAX_LENGTH_PENALTY
+    "length_penalty": (lambda x: is_number(x) and abs(x) <= MAX_LENGTH_PENALTY,
                        f"a number in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}]"),
-    "tier_gbps": (lambda x: x is None or isinstance(x, dict) and all(
-        k in ("host", "disk") and is_number(v) and v >= MIN_GBPS for k, v in x.items()),
+    "tier_gbps": (lambda x: x is None or are_links(x),
                   f"None or a dict of GB/s >= {MIN_GBPS} (a byte a second) by tier, such as "
                   "{'host': 16, 'disk': 2}"),
-    # the rules several parameters share
-    **dict.fromkeys(["kv_cache_dtype", "offload_kv_cache_dtype"],
-                    (lambda x: x in ("auto", "int8"), "'auto' (the model's dtype) or 'int8'")),
-    # (None: num_blocks from a memory budget, max_model_len the model's)
-    **dict.fromkeys(["num_blocks", "max_model_len"], (lambda x: x is None or is_count(x, 1),
-                                                       f"None or an int in [1, {MAX_COUNT}]")),
-    # (top_k 0: every token; priority_aging_steps 0: no aging)
-    **dict.fromkeys(["num_cpu_blocks", "num_disk_blocks", "top_k", "priority_aging_steps"],
-                    (lambda x: is_count(x, 0), f"an int in [0, {MAX_COUNT}]")),
-    **dict.fromkeys(["max_num_seqs", "max_num_batched_tokens", "max_tokens", "n", "beam_width"],
-                    (lambda x: is_count(x, 1), f"an int in [1, {MAX_COUNT}]")),
-    **dict.fromkeys(["enable_prefix_caching", "ignore_eos", "live", "async_copies"],
-                    (lambda x: isinstance(x, bool), "a bool")),
 }
-
+# the rules several knobs share
+ARG_RULES.update(dict.fromkeys(["kv_cache_dtype", "offload_kv_cache_dtype"], (
+    lambda x: x in ("auto", "int8"), "'auto' (the model's dtype) or 'int8'")))
+# (None: num_blocks from a memory budget, max_model_len the model's, the watermark 1%)
+ARG_RULES.update(dict.fromkeys(["num_blocks", "max_model_len"], (
+    lambda x: x is None or is_count(x, 1), f"None or an int in [1, {MAX_COUNT}]")))
+ARG_RULES["watermark_blocks"] = (lambda x: x is None or is_count(x, 0),
+                                 f"None or an int in [0, {MAX_COUNT}]")
+# (top_k 0: every token; priority_aging_steps 0: no aging)
+ARG_RULES.update(dict.fromkeys(["num_cpu_blocks", "num_disk_blocks", "top_k",
+                                "priority_aging_steps"], (
+    lambda x: is_count(x, 0), f"an int in [0, {MAX_COUNT}]")))
+ARG_RULES.update(dict.fromkeys(["max_num_seqs", "max_num_batched_tokens", "max_tokens", "n",
+                                "beam_width"], (
+    lambda x: is_count(x, 1), f"an int in [1, {MAX_COUNT}]")))
+ARG_RULES.update(dict.fromkeys(["enable_prefix_caching", "ignore_eos", "live", "async_copies"], (
+    lambda x: isinstance(x, bool), "a bool")))
 
 def check_args(**args):   # each by its rule in ARG_RULES
     for name, x in args.items():
@@ -1107,7 +1274,18 @@ def check_args(**args):   # each by its rule in ARG_RULES
         require(allowed(x), f"{name} must be {what}, got {x!r}")
 
 
-def writable(path):   # can a file be written at path? Tried: os.access says yes to root
+def check_fields(params):
+    """Each field of a dataclass of knobs by its rule in ARG_RULES: a None where None is the
+    default means the default (SamplingParams.seed); fields with no rule (EngineArgs' device and
+    disk_path) are check_engine_args'."""
+    for f in dataclasses.fields(params):
+        value = getattr(params, f.name)
+        if f.name in ARG_RULES and not (value is None and f.default is None):
+            check_args(**{f.name: value})
+
+
+def writable(path):
+    """Can a file be written at path? Tried: os.access says yes to root."""
     # refused unopened: a folder, a FIFO (opening one waits for a reader), a dead link (opening
     # one makes its target)
     if not path or os.path.lexists(path) and not os.path.isfile(path):
@@ -1122,43 +1300,59 @@ def writable(path):   # can a file be written at path? Tried: os.access says yes
     return True
 
 
-def check_engine_args(device, disk_path, **args):
-    check_args(**args)
-    name = str(device)   # a string or a torch.device
+def check_engine_args(args):
+    """What no single knob's rule says: the device, the disk file, the rules across knobs."""
+    name = str(args.device)   # a string or a torch.device
     kind, _, index = name.partition(":")
-    require(device is None or name in ("cpu", "cuda") or (kind == "cuda" and index.isdigit()),
-            f"device must be None, 'cpu' or 'cuda[:index]', got {device!r}")
-    require(kind != "cuda" or int(index or 0) < torch.cuda.device_count(),   # 0 without CUDA
-            f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA devices")
-    given = os.fspath(disk_path) if isinstance(disk_path, (str, os.PathLike)) else ""
-    new_file = not os.path.lexists(given) and writable(given)   # lexists: a dead link is taken
-    require(disk_path is None or new_file, "disk_path must be None (a temporary file) or a new "
-            f"file in a folder you may write (unlinked once mapped), got {disk_path!r}")
-    require(disk_path is None or args["num_disk_blocks"] > 0,
-            f"disk_path {disk_path!r} holds the disk tier: give num_disk_blocks > 0 with it")
-    require(args["enable_prefix_caching"] or not args["num_disk_blocks"], "num_disk_blocks: the "
+    known = name in ("cpu", "cuda") or kind == "cuda" and index.isdigit()
+    require(args.device is None or known,
+            f"device must be None, 'cpu' or 'cuda[:index]', got {args.device!r}")
+    num_cuda = torch.cuda.device_count()   # 0 without CUDA
+    require(kind != "cuda" or int(index or 0) < num_cuda,
+            f"device {name!r}: this machine has {num_cuda} CUDA devices")
+    path = args.disk_path
+    given = os.fspath(path) if isinstance(path, (str, os.PathLike)) else ""
+    # lexists: a dead link is taken (opened, it would make its target)
+    new_file = not os.path.lexists(given) and writable(given)
+    require(path is None or new_file, "disk_path must be None (a temporary file) or a new "
+            f"file in a folder you may write (unlinked once mapped), got {path!r}")
+    require(path is None or args.num_disk_blocks > 0,
+            f"disk_path {path!r} holds the disk tier: give num_disk_blocks > 0 with it")
+    require(args.enable_prefix_caching or not args.num_disk_blocks, "num_disk_blocks: the "
             "disk tier holds cached blocks only, and enable_prefix_caching is False")
-    require(args["preemption_mode"] != "swap" or args["num_cpu_blocks"],
+    require(args.preemption_mode != "swap" or args.num_cpu_blocks > 0,
             "preemption_mode='swap' needs a host pool: num_cpu_blocks > 0")
-    require(args["scheduling_policy"] == "priority" or not args["priority_aging_steps"],
+    aging = args.priority_aging_steps
+    require(args.scheduling_policy == "priority" or aging == 0,
             "priority_aging_steps ages priorities: give scheduling_policy='priority' with it")
 
 
-def check_loaded_model(llm, num_blocks, num_cpu_blocks, bytes_per_block, host_bytes_per_block):
-    """What can only be checked once the model is known: its length, its block size in bytes."""
+def check_loaded_model(llm, args, num_blocks, block, kv_dtype):
+    """What can only be checked once the model is known: its length, a block's size in bytes
+    against this machine's memory (block: a device block's shape, in kv_dtype)."""
     sysconf = getattr(os, "sysconf", lambda name: math.inf)   # (Windows has none: no check)
     ram = sysconf("SC_PAGE_SIZE") * sysconf("SC_PHYS_PAGES")
-    on_cpu = llm.device.type == "cpu"
-    in_ram = num_cpu_blocks * host_bytes_per_block + on_cpu * num_blocks * bytes_per_block
-    require(in_ram <= ram, f"num_blocks {num_blocks} (device) and num_cpu_blocks {num_cpu_blocks} "
-            f"(host) of {bytes_per_block} and {host_bytes_per_block} bytes exceed this machine's "
-            f"memory ({ram / 2**30:.0f} GiB)")
-    free = math.inf if on_cpu else torch.cuda.mem_get_info(llm.device)[0]
-    require(num_blocks * bytes_per_block <= free, f"num_blocks {num_blocks} of {bytes_per_block} "
-            f"bytes exceed the {free / 2**30:.1f} GiB free on {llm.device}")
+    bytes_per_block = math.prod(block) * kv_dtype.itemsize
+    head_dim = llm.model.config.head_dim
+    low_dtype, low_block = offload_block(args, block, head_dim, kv_dtype)
+    host_bytes_per_block = math.prod(low_block) * low_dtype.itemsize
+    num_cpu_blocks = args.num_cpu_blocks
+    in_ram = num_cpu_blocks * host_bytes_per_block
+    if llm.device.type == "cpu":   # the device pool is host memory too
+        in_ram += num_blocks * bytes_per_block
+    require(in_ram <= ram, f"num_blocks {num_blocks} (device) and num_cpu_blocks "
+            f"{num_cpu_blocks} (host) of {bytes_per_block} and {host_bytes_per_block} bytes "
+            f"exceed this machine's memory ({ram / 2**30:.0f} GiB)")
+    free = math.inf
+    if llm.device.type == "cuda":
+        free = torch.cuda.mem_get_info(llm.device)[0]
+    require(num_blocks * bytes_per_block <= free, f"num_blocks {num_blocks} of "
+            f"{bytes_per_block} bytes exceed the {free / 2**30:.1f} GiB free on {llm.device}")
     longest = llm.model.config.max_position_embeddings
-    require(llm.max_model_len <= longest,   # (None took the model's: only one given can fail)
+    # (None took the model's: only one given can fail)
+    require(llm.max_model_len <= longest,
             f"max_model_len {llm.max_model_len} exceeds the model's {longest}")
+
 
 def tokenize(llm, prompt):
     if isinstance(prompt, str):
@@ -1169,33 +1363,43 @@ def tokenize(llm, prompt):
             f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
     return list(prompt)
 
-# [(token_ids, params, priority)], all checked
+
 def checked_requests(llm, prompts, params, kind, priority=None):
+    """[(token_ids, params, priority)] for add_requests, every one checked (a ValueError)."""
     require(kind in (SamplingParams, BeamSearchParams),
             f"kind must be SamplingParams or BeamSearchParams, got {kind!r}")
-    one_prompt = isinstance(prompts, (list, tuple)) and prompts and is_int(prompts[0])
+    is_list = isinstance(prompts, (list, tuple))
+    one_prompt = is_list and len(prompts) > 0 and is_int(prompts[0])
     if isinstance(prompts, str) or one_prompt:
         prompts = [prompts]
-    require(isinstance(prompts, (list, tuple)), "prompts must be a string, a list of strings or "
-            f"of token-id lists, got {type(prompts).__name__}")
-    # None: SamplingParams() for generate; beam_search has no default (the loop below refuses it)
-    params = SamplingParams() if params is None and kind is SamplingParams else params
-    params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    require(isinstance(prompts, (list, tuple)), "prompts must be a string, a list of strings "
+            f"or of token-id lists, got {type(prompts).__name__}")
+    # None: SamplingParams() for generate; beam_search has no default (the loop below refuses)
+    if params is None and kind is SamplingParams:
+        params = SamplingParams()
+    if isinstance(params, (list, tuple)):
+        params = list(params)
+    else:
+        params = [params] * len(prompts)
     require(len(params) == len(prompts),
             f"params: {len(params)} for {len(prompts)} prompts; give one, or one per prompt")
     for p in params:
-        require(isinstance(p, kind), f"params: expected {kind.__name__}, got {type(p).__name__}"
-                " (generate takes SamplingParams, beam_search takes BeamSearchParams)")
-    priority = [0] * len(prompts) if priority is None else priority
-    require(isinstance(priority, (list, tuple)) and len(priority) == len(prompts)
-            and all(map(is_int, priority)),
+        require(isinstance(p, kind), f"params: expected {kind.__name__}, got "
+                f"{type(p).__name__} (generate takes SamplingParams, beam_search takes "
+                "BeamSearchParams)")
+    if priority is None:
+        priority = [0] * len(prompts)
+    one_each = isinstance(priority, (list, tuple)) and len(priority) == len(prompts)
+    require(one_each and all(map(is_int, priority)),
             f"priority: one int per prompt ({len(prompts)} prompts), got {priority!r}")
-    require(isinstance(llm.scheduler, PriorityScheduler) or not any(priority),
+    ranked = isinstance(llm.scheduler, PriorityScheduler)
+    require(ranked or not any(priority),
             f"priority {priority!r}: give LLM(scheduling_policy='priority') to use priorities")
     requests = [(tokenize(llm, x), p, q) for x, p, q in zip(prompts, params, priority)]
     for token_ids, p, _ in requests:
         validate_request(llm, token_ids, p)
     return requests
+
 
 def max_blocks_needed(llm, num_prompt_tokens, params):
     """The most blocks a request holds at once: its prompt's full blocks, shared by all n (even
@@ -1212,41 +1416,55 @@ def validate_request(llm, token_ids, params):
     require(len(token_ids) > 0, "empty prompt: a prompt needs at least one token")
     bad = [t for t in token_ids if not (is_int(t) and 0 <= t < vocab)]
     require(not bad, f"token id {bad[:1]} outside the vocabulary: ids are ints in [0, {vocab})")
-    require(len(token_ids) + params.max_tokens <= llm.max_model_len,
+    length = len(token_ids) + params.max_tokens
+    require(length <= llm.max_model_len,
             f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
             f"max_model_len ({llm.max_model_len})")
-    require(params.n <= max_num_seqs, f"n (or beam_width) {params.n} > max_num_seqs {max_num_seqs}")
-    require(not isinstance(params, BeamSearchParams) or 2 * params.beam_width <= vocab,
+    require(params.n <= max_num_seqs,
+            f"n (or beam_width) {params.n} > max_num_seqs {max_num_seqs}")
+    is_beam = isinstance(params, BeamSearchParams)
+    require(not is_beam or 2 * params.beam_width <= vocab,
             f"beam_width {params.n}: 2 * beam_width candidates exceed the vocabulary ({vocab})")
     need = max_blocks_needed(llm, len(token_ids), params)
-    require(need <= llm.block_manager.num_blocks,
-            f"the pool is too small for this request: it may need {need} blocks, the pool has "
-            f"{llm.block_manager.num_blocks}; raise num_blocks, or lower max_tokens or n")
+    have = llm.block_manager.num_blocks
+    require(need <= have, f"the pool is too small for this request: it may need {need} "
+            f"blocks, the pool has {have}; raise num_blocks, or lower max_tokens or n")
 
 # ----------------------------------------------------------------------------------------------
 # 6. Invariant checks: the block manager's rules, asserted (the tests call them after every step)
 
-def check_block_manager(bm):   # BlockManager.check_invariants: each rule, asserted by name
-    prefixes = {}   # prefix_id -> (hash, tokens, parent's prefix_id), as registered in any tier
+def check_block_manager(bm):
+    """BlockManager.check_invariants: each rule, asserted by name, with the blocks that break it."""
+    # prefix_id -> (hash, tokens, parent's prefix_id), as registered in any tier
+    prefixes = {}
     for pool in bm.tiers:
         held = Counter(b for seq in pool.seqs.values() for b in seq.block_table)
         wrong = [b.block_id for b in pool.blocks if b.ref_count != held[b.block_id]]
-        assert not wrong, f"ref_count: {pool.name} blocks {wrong}: not the number of tables holding"
-        # each block in one list, the one its fields say: used if held; else cached if registered
-        # (it has a hash), free if not
-        listed = Counter([*pool.free_block_ids, *pool.cached_block_ids, *held])
-        wrong = [b.block_id for b in pool.blocks if listed[b.block_id] != 1 or (
-                 not b.ref_count and (b.hash is not None) != (b.block_id in pool.cached_block_ids))]
+        assert not wrong, (f"ref_count: {pool.name} blocks {wrong}: not the number of tables "
+                           "holding")
+        # each block in one list, the one its fields say: used if held; else cached if
+        # registered (it has a hash), empty if not
+        listed = Counter([*pool.empty_block_ids, *pool.cached_block_ids, *held])
+        wrong = []
+        for b in pool.blocks:
+            registered = b.hash is not None
+            in_cache = b.block_id in pool.cached_block_ids
+            if listed[b.block_id] != 1 or b.ref_count == 0 and registered != in_cache:
+                wrong.append(b.block_id)
         assert not wrong, f"partition: {pool.name} blocks {wrong}: not only in its own list"
         registered = [b for b in pool.blocks if b.hash is not None]
-        # the map lists the registered blocks and no others (an empty bucket: as if it listed None)
-        listed = {(h, b) for h, bucket in pool.hash_to_block_ids.items() for b in bucket or [None]}
+        # the map lists the registered blocks and no others (an empty bucket: as if it listed
+        # None)
+        listed = set()
+        for h, bucket in pool.hash_to_block_ids.items():
+            listed |= {(h, b) for b in bucket or [None]}
         wrong = listed ^ {(b.hash, b.block_id) for b in registered}
-        assert not wrong, f"hash map: {pool.name} (hash, block) {wrong}: listed or registered only"
+        assert not wrong, (f"hash map: {pool.name} (hash, block) {wrong}: listed or registered "
+                           "only")
         for b in registered:   # copies of one prefix, in any tier, are one prefix
-            prefix = prefixes.setdefault(b.prefix_id, (b.hash, b.token_ids, b.parent_prefix_id))
-            wrong = prefix != (b.hash, b.token_ids, b.parent_prefix_id)
-            assert not wrong, f"hash map: prefix {b.prefix_id}: two prefixes ({pool.name} {b})"
+            entry = (b.hash, b.token_ids, b.parent_prefix_id)
+            prefix = prefixes.setdefault(b.prefix_id, entry)
+            assert prefix == entry, f"hash map: prefix {b.prefix_id}: two prefixes ({pool.name} {b})"
         for seq in pool.seqs.values():   # the newest token may lack its slot yet
             n = len(seq.block_table)
             sizes = {bm._num_blocks_for(len(seq) - d) for d in (0, 1)}
@@ -1255,134 +1473,274 @@ def check_block_manager(bm):   # BlockManager.check_invariants: each rule, asser
     assert len(seq_ids) == len(set(seq_ids)), "partition: a seq's table points into two tiers"
     # a registered block holds the prefix of all its holders; it follows registered blocks only
     for seq in bm.device.seqs.values():
-        parent = None   # the prefix block i follows (None: the first, or it follows unregistered)
-        for i, block in enumerate(bm.device.blocks[b] for b in seq.block_table):
-            if block.hash is not None:   # (a hash is asked for of full blocks only: _block_hash)
+        # the prefix block i follows (None: the first, or it follows an unregistered block)
+        parent = None
+        for i, block_id in enumerate(seq.block_table):
+            block = bm.device.blocks[block_id]
+            # (a hash is asked for of full blocks only: _block_hash)
+            if block.hash is not None:
                 want = (bm._tokens(seq, i), bm._block_hash(seq, i), parent)
-                wrong = (block.token_ids, block.hash, block.parent_prefix_id) != want
-                assert not wrong, (f"hash map: seq {seq.seq_id} block {i} ({block.block_id}) is "
-                                   "another prefix's, or follows an unregistered block")
-            parent = block.prefix_id   # (None once unregistered: a later block's parent differs)
-
+                found = (block.token_ids, block.hash, block.parent_prefix_id)
+                assert found == want, (f"hash map: seq {seq.seq_id} block {i} ({block_id}) is "
+                                       "another prefix's, or follows an unregistered block")
+            # (None once unregistered: a later block's parent differs)
+            parent = block.prefix_id
 
 # ----------------------------------------------------------------------------------------------
 # 7. What happened: events as records, for the live view and the trace; the metrics
 
-def _ids(xs):   # '0-3, 7, 12' for the event log: a run of three or more ids as first-last
-    groups = itertools.groupby(enumerate(xs), lambda p: p[1] - p[0])   # x - i: one per run
-    runs = [[x for _, x in group] for _, group in groups]
-    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
+def _ids(xs):
+    """'0-3, 7, 12' for the event log: a run of three or more ids as first-last."""
+    # x - i is the same along a run
+    groups = itertools.groupby(enumerate(xs), lambda p: p[1] - p[0])
+    texts = []
+    for _, group in groups:
+        run = [x for _, x in group]
+        if len(run) > 2:
+            texts.append(f"{run[0]}-{run[-1]}")
+        else:
+            texts.append(", ".join(map(str, run)))
+    return ", ".join(texts)
 
-EVENT_WORDS = {   # the plain words of each kind of event, for the live view and the trace
+
+# the plain words of each kind of event, for the live view and the trace
+EVENT_WORDS = {
     "prefix hit": "seq {seqs} finds blocks {blocks} in the prefix cache ({num_tokens} tokens)",
     "fork": "seq {seqs} forks from seq {parent}: blocks {blocks} shared",
-    "copy": "seq {seqs} copies shared block {blocks} to block {to} before writing (copy-on-write)",
+    "copy": "seq {seqs} copies shared block {blocks} to block {to} before writing "
+            "(copy-on-write)",
     "evict": "{tier} block {blocks} is evicted from the prefix cache (cached, held by nobody)",
     "write down": "{tier} block {blocks} evicted, its K/V written down to {to_tier} block {to}",
-    "write ahead": "{tier} block {blocks} written down ahead (it stays) to {to_tier} block {to}",
+    "write ahead": "{tier} block {blocks} written down ahead (it stays) to {to_tier} block "
+                   "{to}",
     "drop": "{tier} block {blocks} evicted; its copy stays, in {to_tier} block {to}",
     "load": "seq {seqs} finds block {blocks} in the {tier} tier: loaded into block {to}{why}",
     "swap out": "seq {seqs} swapped out: blocks {blocks} to host blocks {to}",
     "swap in": "seq {seqs} swapped in: host blocks {blocks} to blocks {to}",
     "preempt": "seq {seqs} preempted by {mode}: blocks {blocks} taken back{why}",
     "finish": "seq {seqs} finishes ({reason}): blocks {blocks} released",
-    "watermark": "seq {seqs} waits: it fits, but the watermark keeps {num_blocks} free for decodes",
+    "watermark": "seq {seqs} waits: it fits, but the watermark keeps {num_blocks} free for "
+                 "decodes",
     "copies made": "copies made in the background: {num_copies}{arrived}",
     "loading": "seq {seqs} sits this step out (loading): its blocks are still in flight",
 }
 
-# one record of what happened, as EventLog.record makes it: the step it happened in; its kind
-# (a key of EVENT_WORDS); the sequences (seq_ids); the blocks it acts on (block_ids) and their
-# tier, a Pool where the words name it (None: they do not); where they went (to_ids: the copy's
-# block, the other tier's blocks) and their tier (to_tier); details: the rest its words say, by
-# name. Ids as tuples.
+
 class Event(namedtuple("Event", "step kind seq_ids block_ids tier to_ids to_tier details")):
+    """One record of what happened, as EventLog.record makes it: the step it happened in; its
+    kind (a key of EVENT_WORDS); the sequences (seq_ids); the blocks it acts on (block_ids) and
+    their tier, a Pool where the words name it (None: they do not); where they went (to_ids: the
+    copy's block, the other tier's blocks) and their tier (to_tier); details: the rest its words
+    say, by name. Ids as tuples."""
 
     def words(self):
-        tiers = {k: getattr(getattr(self, k), "name", None) for k in ("tier", "to_tier")}
-        return EVENT_WORDS[self.kind].format(seqs=_ids(self.seq_ids), blocks=_ids(self.block_ids),
-                                             to=_ids(self.to_ids), **tiers, **self.details)
+        tier = getattr(self.tier, "name", None)
+        to_tier = getattr(self.to_tier, "name", None)
+        return EVENT_WORDS[self.kind].format(seqs=_ids(self.seq_ids),
+                                             blocks=_ids(self.block_ids), to=_ids(self.to_ids),
+                                             tier=tier, to_tier=to_tier, **self.details)
+
 
 @dataclass
-class EventLog:   # what the block manager and the scheduler did, taken after each step
+class EventLog:
+    """What the block manager and the scheduler did, taken after each step."""
     step: int = 0   # the step the engine is in, stamped on each record
     records: list = field(default_factory=list)   # of Event
 
-    def record(self, kind, seq_ids=(), block_ids=(), tier=None, to_ids=(), to_tier=None, **details):
-        self.records.append(Event(self.step, kind, tuple(seq_ids), tuple(block_ids), tier,
-                                  tuple(to_ids), to_tier, details))
+    def record(self, kind, seq_ids=(), block_ids=(), tier=None, to_ids=(), to_tier=None,
+               **details):
+        event = Event(self.step, kind, tuple(seq_ids), tuple(block_ids), tier, tuple(to_ids),
+                      to_tier, details)
+        self.records.append(event)
 
     def take(self):
-        records, self.records = self.records, []
+        records = self.records
+        self.records = []
         return records
 
-def engine_stats(llm):   # LLM.stats(): fractions and counts, named as vLLM names them
+
+# the block manager's counts that stats() reports (BlockManager.__init__ says what each counts)
+COUNTS = ["prefix_cache_queries", "prefix_cache_hits", "host_prefix_cache_hits",
+          "disk_prefix_cache_hits", "num_swapped_out_blocks", "num_swapped_in_blocks",
+          "num_cow_copies", "num_evictions", "num_offloaded_blocks", "num_loaded_blocks",
+          "num_write_downs_skipped"]
+
+
+def engine_stats(llm):
+    """LLM.stats(): fractions and counts, named as vLLM names them."""
     bm = llm.block_manager
     used = bm.num_used_blocks()
-    # the token slots holding K/V in each used block, a shared block's counted once
-    filled = {}   # block id -> its slots filled (as many for each of its holders: see below)
+    # the token slots holding K/V in each used block, a shared block's counted once:
+    # block id -> its slots filled. Every holder of a shared block has written as much of it
+    # (nobody writes a shared block but a leader, and the samples that wait for it count only
+    # what it wrote): the holder counted last counts right
+    filled = {}
     for seq in bm.device.seqs.values():
-        # the blocks it has written whole, then the next one's slots written if it has that block
-        # (zip stops at the shorter: the blocks after it hold none), one dict update at C speed.
-        # Every holder of a shared block has written as much of it (nobody writes a shared block
-        # but a leader, and the samples that wait for it count only what it wrote): the holder
-        # counted last counts right
+        # the blocks it has written whole, then the next one's slots written if it has that
+        # block (zip stops at the shorter: the blocks after it hold none), one dict update at
+        # C speed
         num_full, last = divmod(seq.num_written_tokens, bm.block_size)
         filled.update(zip(seq.block_table, [bm.block_size] * num_full + [last]))
-    waited = llm.copy_engine.copy_wait_seconds if llm.copy_engine else llm.links.busy_seconds
-    c = bm.counts   # the block manager's counts, under these names (BlockManager.__init__)
-    return {
-        "kv_cache_usage_perc": used / bm.num_blocks,   # cached blocks nobody holds are free
+    busy = llm.copier.busy_seconds
+    waited = llm.copy_engine.copy_wait_seconds if llm.copy_engine else busy
+    counts = bm.counts
+    stats = {
+        # cached blocks nobody holds count as free
+        "kv_cache_usage_perc": used / bm.num_blocks,
         "token_occupancy_perc": sum(filled.values()) / max(1, used * bm.block_size),
-        # its counts (those not counted yet read 0); the prefix cache's in tokens: the queries,
-        # the hits in any tier, and of those the tokens loaded up from the host and the disk
-        **{name: c[name] for name in
-           ("prefix_cache_queries", "prefix_cache_hits", "host_prefix_cache_hits",
-            "disk_prefix_cache_hits", "num_swapped_out_blocks", "num_swapped_in_blocks",
-            "num_cow_copies", "num_evictions", "num_offloaded_blocks", "num_loaded_blocks",
-            "num_write_downs_skipped")},
-        "prefix_cache_hit_rate": c["prefix_cache_hits"] / max(1, c["prefix_cache_queries"]),
-        "num_preemptions": llm.scheduler.num_preemptions,
-        "num_prefill_tokens_computed": llm.num_prefill_tokens_computed,
-        "num_generated_tokens": llm.num_generated_tokens,
-        # the copies between tiers: seconds the steps waited for one (blocking: all of them),
-        # seconds of copying hidden behind compute (async_copies), bytes over each tier's link
-        "copy_wait_seconds": waited,
-        "copy_hidden_seconds": max(0.0, llm.links.busy_seconds - waited),
-        **{f"{tier}_bytes_moved": llm.links.bytes_moved[tier] for tier in ("host", "disk")},
     }
-
+    # the counts (those not counted yet read 0); the prefix cache's in tokens: the queries, the
+    # hits in any tier, and of those the tokens loaded up from the host and the disk
+    for name in COUNTS:
+        stats[name] = counts[name]
+    queries = max(1, counts["prefix_cache_queries"])
+    stats["prefix_cache_hit_rate"] = counts["prefix_cache_hits"] / queries
+    stats["num_preemptions"] = llm.scheduler.num_preemptions
+    stats["num_prefill_tokens_computed"] = llm.num_prefill_tokens_computed
+    stats["num_generated_tokens"] = llm.num_generated_tokens
+    # the copies between tiers: seconds the steps waited for one (blocking: all of them),
+    # seconds of copying hidden behind compute (async_copies), bytes over each tier's link
+    stats["copy_wait_seconds"] = waited
+    stats["copy_hidden_seconds"] = max(0.0, busy - waited)
+    for tier in ("host", "disk"):
+        stats[f"{tier}_bytes_moved"] = llm.copier.bytes_moved[tier]
+    return stats
 
 # ----------------------------------------------------------------------------------------------
-# 8. The cost rule: copy blocks, or recompute their tokens, whichever costs less here; the disk file
-# Two choices trade a copy against a recompute: preemption_mode='auto' (swap a request to the host
-# and back, or recompute it) and the tiers (load a cached block from host or disk, or recompute
-# it; a tier not worth loading from is not written down to either). Both take one measured rule.
+# 8. Refinements of the block manager and the scheduler, each called from one place above:
+#    exact prefixes under hash collisions, the write-down rule by hits, the cost rule (which
+#    tiers are worth loading from; swap or recompute), a recomputed n>1 request's leader
+
+# Exact prefixes. A chain hash covers the whole prefix, but two prefixes may hash alike, and a
+# block's own tokens say nothing of the blocks before it. So each registered prefix gets a
+# prefix_id, a number never reused, which its copies in other tiers share, and each block keeps
+# its parent's (parent_prefix_id): a block found is the prefix's if its tokens and its parent's
+# prefix id are (BlockManager._lookup). The hash finds a block; the prefix id names it.
+
+def name_prefix(bm, block, parent):
+    """A block being registered (its hash and tokens set), after parent (None: the first): the
+    prefix id of a copy registered in any tier already, else a new one."""
+    block.parent_prefix_id = parent.prefix_id if parent is not None else None
+    twins = bm._lookup(bm.tiers, block.hash, block.token_ids, block.parent_prefix_id)
+    block.prefix_id = twins[0][1].prefix_id if twins else next(bm.prefix_ids)
+    block.hits = 0
+
+
+def find_copy_below(bm, pool, block):
+    """(tier, block) of a copy of block registered in a tier below pool, worth loading from: a
+    write-ahead's (section 9), or a swapped request's; else None."""
+    lower = tiers_below(bm, pool)
+    copies = bm._lookup(lower, block.hash, block.token_ids, block.parent_prefix_id)
+    return copies[0] if copies else None
+
+
+def tiers_below(bm, pool):   # the tiers under pool worth loading from, fastest first
+    return [t for t in bm.tiers[bm.tiers.index(pool) + 1:] if worth_loading(bm, t)]
+
+
+def drop(bm, pool, block, copy_below):   # evicted with a copy below: no copy to make
+    tier, copy = copy_below
+    copy.hits = max(copy.hits, block.hits)   # the prompts that found it count on
+    bm.events.record("drop", [], [block.block_id], pool, [copy.block_id], tier)
+
+
+def lose(bm, pool, block):   # evicted with no tier below to keep it: its K/V are gone
+    bm.counts["num_evictions"] += 1
+    # a tier below had room, but only for a block found more often (keeps)
+    if any(t.num_free_blocks > 0 for t in tiers_below(bm, pool)):
+        bm.counts["num_write_downs_skipped"] += 1
+    bm.events.record("evict", [], [block.block_id], pool)
+
+
+# The write-down rule. A cached block evicted from a tier is written down to the first tier
+# below worth loading from that keeps it: one with an empty block, or a full one whose next
+# block out was found less often (Block.hits: prompts that found it, and preempted requests that
+# will look for it again). Otherwise the write is traffic for nothing: the tier would evict a
+# block it may yet load for one it may never load.
+
+def tier_that_keeps(bm, pool, block):
+    below = [t for t in tiers_below(bm, pool) if keeps(t, block)]
+    return below[0] if below else None
+
+
+def keeps(tier, block):
+    """Is block worth a write-down into tier?"""
+    if tier.empty_block_ids:
+        return True
+    if not tier.cached_block_ids:   # full, of blocks somebody holds
+        return False
+    next_out = tier.blocks[next(iter(tier.cached_block_ids))]
+    return block.hits > next_out.hits
+
+
+# A recomputed n>1 (or beam) request. Its samples share the prompt's blocks; preempted by
+# recompute, each holds its own tokens since. They are admitted together again: the first, the
+# leader, allocates (with prefix hits); each other forks from it, sharing the leading blocks of
+# equal tokens, and waits (waits_for) until the leader has computed them (the one write to a
+# block with ref_count > 1, before anybody reads it), then computes its own.
+
+def num_shared(bm, leader, seq):
+    """Blocks seq can share with leader: the leading blocks that hold the same tokens in both,
+    before the block of either one's last token (its writer's own)."""
+    limit = (min(len(seq), len(leader)) - 1) // bm.block_size
+    for i in range(limit):
+        if bm._tokens(leader, i) != bm._tokens(seq, i):
+            return i
+    return limit
+
+
+def blocks_for_siblings(bm, leader, siblings):   # what forking siblings from leader takes
+    need = 0
+    for seq in siblings:
+        need += bm._num_blocks_for(len(seq)) - num_shared(bm, leader, seq)
+    return need
+
+
+def fork_from_leader(bm, leader, seq):
+    bm.fork(leader, seq, num_shared(bm, leader, seq))
+    seq.waits_for = leader
+
+
+# The cost rule: copy blocks, or recompute their tokens, whichever costs less here. Two choices
+# trade a copy against a recompute: preemption_mode='auto' (swap a request to the host and back,
+# or recompute it) and the tiers (load a cached block from host or disk, or recompute it; a
+# tier not worth loading from is not written down to either). Both take one measured rule.
+
+def worth_loading(bm, tier):   # the device always is; with no cost rule, every tier
+    return tier is bm.device or bm.cost is None or bm.cost.worth_loading(tier)
+
+
+def load_figures(bm, tier):   # for the trace: the rule's two sides for a load from tier
+    return f" ({bm.cost.load_figures(tier)})" if bm.cost is not None else ""
+
 
 @dataclass
 class CostModel:
     """Recomputing costs tokens * seconds_per_token, the steps' average (an upper estimate: a
     step's fixed cost is spread over its tokens); copying costs blocks * seconds_per_block."""
     block_size: int
-    seconds_per_block: dict          # tier -> seconds to copy one block between it and the device
+    # tier -> seconds to copy one block between it and the device
+    seconds_per_block: dict
     seconds_per_token: float = 0.0   # 0 until the first step is measured
 
     @classmethod
-    def measure(cls, llm, block_size):
+    def measure(cls, kv_caches, copier, block_size):
         """Times a few blocks' copies to each tier and back: the fastest of 3 rounds (warm-up)."""
-        device = llm.kv_caches["device"]
+        device = kv_caches["device"]
         seconds = {"device": 0.0}
         for tier in ("host", "disk"):
-            cache = llm.kv_caches[tier]
+            cache = kv_caches[tier]
             probe = range(min(8, device.shape[2], cache.shape[2]))   # block ids
 
             def round_trip():
                 for i in probe:
                     cache[:, :, i].copy_(to_dtype(device[:, :, i], cache.dtype))
                     device[:, :, i].copy_(to_dtype(cache[:, :, i], device.dtype))   # (blocking)
+
             rounds = timeit.repeat(round_trip, number=1, repeat=3)
             seconds[tier] = min(rounds) / (2 * len(probe)) if probe else math.inf
-            seconds[tier] = max(seconds[tier], llm.links.seconds.get(tier, 0))   # as emulated
+            # as slow as the emulated link, at least
+            seconds[tier] = max(seconds[tier], copier.seconds.get(tier, 0))
         return cls(block_size, seconds)
 
     def observe(self, report):   # a moving average, set by the first step
@@ -1394,31 +1752,85 @@ class CostModel:
         return self.seconds_per_block[tier.name] < self.block_size * self.seconds_per_token
 
     def load_figures(self, tier):   # the rule's two sides for a block, as the trace tells them
-        return (f"copy {ms(self.seconds_per_block[tier.name])} < recompute "
-                f"{ms(self.block_size * self.seconds_per_token)}")
+        copy_seconds = ms(self.seconds_per_block[tier.name])
+        return f"copy {copy_seconds} < recompute {ms(self.block_size * self.seconds_per_token)}"
 
-    def cheaper_mode(self, bm, request):   # (mode, the rule's figures, as the trace tells them)
-        leader = request.seqs[0]   # a recompute computes it whole, the others past what they share
-        num_tokens = len(leader) + sum(len(s) - bm.block_size * bm.num_shared(leader, s)
-                                       for s in request.seqs[1:])
+    def cheaper_mode(self, bm, request):
+        """(mode, the rule's figures, as the trace tells them) for preemption_mode='auto'."""
+        # a recompute computes the leader whole, the others past what they share
+        leader = request.seqs[0]
+        num_tokens = len(leader)
+        for s in request.seqs[1:]:
+            num_tokens += len(s) - bm.block_size * num_shared(bm, leader, s)
         num_blocks = len({b for s in request.seqs for b in s.block_table})
-        swap_seconds = 2 * num_blocks * self.seconds_per_block[bm.host.name]   # out, then back in
+        # out, then back in
+        swap_seconds = 2 * num_blocks * self.seconds_per_block[bm.host.name]
         recompute_seconds = num_tokens * self.seconds_per_token
         mode = "swap" if swap_seconds < recompute_seconds else "recompute"
-        return mode, (f"copy 2 x {num_blocks} blocks {ms(swap_seconds)}, recompute {num_tokens} "
-                      f"tokens {ms(recompute_seconds)}")
+        return mode, (f"copy 2 x {num_blocks} blocks {ms(swap_seconds)}, recompute "
+                      f"{num_tokens} tokens {ms(recompute_seconds)}")
+
+# ----------------------------------------------------------------------------------------------
+# 9. The tiers' machinery: the host and disk pools, INT8 below the device, the block copier and
+#    its emulated links, the copy engine that makes copies in the background, write-ahead
+
+def build_tiers(llm, args, block):
+    """LLM's tiers below the device: host memory (pinned on CUDA) and a file mapped into memory;
+    the block copier between the tiers, its links as slow as tier_gbps says; with async_copies
+    the copy engine; the cost rule, each tier's block copy timed now (each step's tokens after
+    it). Returns (kv_caches: tier name -> K/V, copier, copy engine or None, cost)."""
+    low_dtype, low_block = offload_block(args, block, llm.model.config.head_dim,
+                                         llm.kv_cache.dtype)
+    host_shape = low_block[:2] + (args.num_cpu_blocks,) + low_block[2:]
+    disk_shape = low_block[:2] + (args.num_disk_blocks,) + low_block[2:]
+    pinned = llm.device.type == "cuda"
+    host = torch.zeros(host_shape, dtype=low_dtype, pin_memory=pinned)
+    disk = open_disk_pool(args.disk_path, disk_shape, low_dtype)
+    kv_caches = {"device": llm.kv_cache, "host": host, "disk": disk}
+    copier = BlockCopier(kv_caches, args.tier_gbps or {})
+    copy_engine = CopyEngine(llm) if args.async_copies else None
+    cost = CostModel.measure(kv_caches, copier, args.block_size)
+    return kv_caches, copier, copy_engine, cost
 
 
-class Links:
-    """The tiers' K/V caches and the links between them: copy() moves one block's K and V (all
-    layers). gbps, LLM's tier_gbps ({'host': G, 'disk': G}; {} for None), makes a tier's link to
-    the others that slow, to emulate on any machine what PCIe and NVMe do to a GPU server: a copy
-    is held until bytes / bandwidth have passed (a tier not named: the machine's own speed)."""
+def offload_block(args, block, head_dim, kv_dtype):
+    """(dtype, shape) of a block in the tiers below, offload_kv_cache_dtype's ("auto": the
+    device's); block: a device block's shape, in kv_dtype."""
+    low_dtype = kv_dtype
+    if args.offload_kv_cache_dtype == "int8":
+        low_dtype = torch.int8
+    return low_dtype, block[:-1] + (kv_row(head_dim, low_dtype),)
+
+
+def kv_row(head_dim, dtype):
+    """A token's K (or V) in one KV head: INT8 holds its float32 scale after its values."""
+    return head_dim + 4 if dtype == torch.int8 else head_dim
+
+
+def to_dtype(kv, dtype):   # K/V rows into another tier's dtype: quantized to INT8, or back
+    if kv.dtype == dtype:
+        return kv
+    return quantize(kv) if dtype == torch.int8 else dequantize(kv, dtype)
+
+
+def ms(seconds):   # a measured time, as the trace prints it
+    return f"{1e3 * seconds:.3g} ms"
+
+
+class BlockCopier:
+    """Copies one block's K and V (all layers) between the tiers' caches (kv_caches, LLM's),
+    converting between their dtypes. gbps, LLM's tier_gbps ({'host': G, 'disk': G}; {} for None),
+    makes a tier's link to the others that slow, to emulate on any machine what PCIe and NVMe do
+    to a GPU server: a copy is held until bytes / bandwidth have passed (a tier not named: the
+    machine's own speed)."""
 
     def __init__(self, kv_caches, gbps):
         self.kv_caches = kv_caches
-        self.bytes_per_block = {t: c.element_size() * math.prod(c.shape[:2] + c.shape[3:])
-                                for t, c in kv_caches.items()}   # (INT8 tiers: fewer bytes)
+        # (INT8 tiers: fewer bytes)
+        self.bytes_per_block = {}
+        for tier, cache in kv_caches.items():
+            shape = cache.shape[:2] + cache.shape[3:]
+            self.bytes_per_block[tier] = cache.element_size() * math.prod(shape)
         self.seconds = {t: self.bytes_per_block[t] / (g * 1e9) for t, g in gbps.items()}
         self.bytes_moved = Counter()   # the lower tier of each copy -> bytes over its link
         self.busy_seconds = 0.0        # copying, in all
@@ -1430,9 +1842,11 @@ class Links:
         t0 = time.perf_counter()
         kv = self.kv_caches[src_tier.name][:, :, src]
         into = self.kv_caches[dst_tier.name][:, :, dst]
-        if kv.dtype != into.dtype and into.is_cuda:   # (converted on the GPU: INT8 crosses PCIe)
+        # converted on the GPU, so that INT8 crosses PCIe
+        if kv.dtype != into.dtype and into.is_cuda:
             kv = kv.to(into.device)
-        into.copy_(to_dtype(kv, into.dtype))   # (an INT8 tier's: quantized down, dequantized up)
+        # an INT8 tier's: quantized on the way down, dequantized on the way up
+        into.copy_(to_dtype(kv, into.dtype))
         # the lower tier's link: of the two, the later in the tiers' order, fastest first
         link = max(src_tier.name, dst_tier.name, key=("device", "host", "disk").index)
         self.bytes_moved[link] += self.bytes_per_block[link]   # (INT8 below: fewer)
@@ -1441,148 +1855,195 @@ class Links:
             self.stop.wait(min(max(0.0, left), threading.TIMEOUT_MAX))
         self.busy_seconds += time.perf_counter() - t0
 
+
 class CopyEngine:
     """async_copies=True: the copies between tiers are made on one worker thread (a
     ThreadPoolExecutor of one: in the order queued; torch's copies let go of the GIL; on CUDA on
     a side stream, after an event of the step that queued them), while the steps compute. Each
-    queued copy is a Future: done once made. A request sits steps out (loading) while a copy still
-    writes one of its blocks, or reads one it may write (not a write-ahead's read of a full block:
-    the step only reads it too); copy-on-write is made at once, on the step's path; a step whose
-    every request is loading waits for the first. A step that finds the link idle queues
+    queued copy is a Future: done once made. A request sits steps out (loading) while a copy
+    still writes one of its blocks, or reads one it may write (not a write-ahead's read of a full
+    block: the step only reads it too); copy-on-write is made at once, on the step's path; a step
+    whose every request is loading waits for the first. A step that finds the link idle queues
     write-aheads (write_ahead): later evictions find copies below."""
 
     def __init__(self, llm):
         self.worker = concurrent.futures.ThreadPoolExecutor(1)
         # its thread starts now, with one OpenMP thread of its own (no team to spin on the cores)
         self.worker.submit(torch.set_num_threads, 1)
-        self.in_flight = {}    # (tier name, block id) -> the last copy's Future that reads or
-                               # writes it (the view's ~: those in flight at the step's start)
-        self.started = {}      # Future -> copy, queued, until the trace tells it made
-        self.through = weakref.WeakKeyDictionary()   # seq -> (its table, blocks written through)
-        self.failed = None     # the exception, once a copy raised (no copy is made after it)
-        self.stream = torch.cuda.Stream(llm.device) if llm.device.type == "cuda" else None
+        # (tier name, block id) -> the last copy's Future that reads or writes it (the view's ~:
+        # those in flight at the step's start)
+        self.in_flight = {}
+        self.started = {}   # Future -> its BlockCopy, queued, until the trace tells it made
+        # seq -> (its table, blocks written through)
+        self.through = weakref.WeakKeyDictionary()
+        self.failed = None   # the exception, once a copy raised (no copy is made after it)
+        self.stream = None
+        if llm.device.type == "cuda":
+            self.stream = torch.cuda.Stream(llm.device)
         self.copy_wait_seconds = 0.0   # the steps' time waiting for a copy
         # the worker ends with the engine, its queued copies made (at exit too: Python waits)
         weakref.finalize(llm, self.worker.shutdown, wait=False)
 
-    def make(self, links, copy, ready):   # on the worker thread
+    def make(self, copier, copy, ready):   # on the worker thread
         try:
             with torch.cuda.stream(self.stream):   # (None: no stream, on a CPU)
                 if ready is not None:
                     self.stream.wait_event(ready)   # the K/V the steps before wrote
                 if self.failed is None:   # after a failure: none
-                    links.copy(*copy)
+                    copier.copy(*copy)
         except BaseException as e:   # (the main thread raises it at its next step)
             self.failed = e
 
     def start(self, llm, batch):
         """Queue the step's copies, then return batch without the requests still loading."""
-        copies, events = llm.block_manager.copies, llm.events
-        if WRITE_AHEAD and self.idle() and not copies:   # link idle: write ahead
+        copies = llm.block_manager.copies
+        if WRITE_AHEAD and self.idle() and not copies:   # the link idle: write ahead
             write_ahead(llm.block_manager, self.through)
         while copies:
             src_tier, src, dst_tier, dst = copies[0]
             keys = [(src_tier.name, src), (dst_tier.name, dst)]
             if src_tier is dst_tier:   # copy-on-write: after what is in flight on its blocks
                 self.wait({self.in_flight[key] for key in keys if key in self.in_flight})
-                llm.links.copy(*copies[0])
+                llm.copier.copy(*copies[0])
             else:   # (a Ctrl-C anywhere here: the undo gives up whatever was queued)
-                ready = torch.cuda.current_stream().record_event() if self.stream else None
-                future = self.worker.submit(self.make, llm.links, copies[0], ready)
+                ready = None
+                if self.stream is not None:
+                    ready = torch.cuda.current_stream().record_event()
+                future = self.worker.submit(self.make, llm.copier, copies[0], ready)
                 self.in_flight.update(dict.fromkeys(keys, future))
                 self.started[future] = copies[0]
             copies.popleft()
-        # (no copy queued or on its way: nobody waits for one)
-        waits = {e.request: self.loading(e.request) for e in batch.entries} if self.started else {}
+        # the copies each request waits for (none queued or on its way: nobody waits)
+        waits = {}
+        if self.started:
+            waits = {e.request: self.loading(e.request) for e in batch.entries}
         if waits and all(waits.values()):   # nobody can run: until the first of them can
             self.wait(*waits.values())
-        unmade = {f for f in self.started if not f.done()}   # one moment for what has arrived
-        if self.failed is not None:   # a copy raised (set before its Future is done): the step too
+        # one moment for what has arrived
+        unmade = {f for f in self.started if not f.done()}
+        # a copy raised (set before its Future is done): the step too
+        if self.failed is not None:
             raise RuntimeError(f"a block copy failed: {self.failed!r}") from self.failed
-        made = [self.started.pop(f) for f in list(self.started) if f not in unmade]
-        self.in_flight = {key: f for key, f in self.in_flight.items() if f in unmade}
-        if made:
-            arrived = _ids([dst for _, _, dst_tier, dst in made if dst_tier.name == "device"])
-            events.record("copies made", num_copies=len(made),
-                          arrived=f" (device blocks {arrived} arrived)" if arrived else "")
+        self.record_made(llm.events, unmade)
         for request, futures in waits.items():
             if futures & unmade:
                 batch.remove(request)
-                events.record("loading", [s.seq_id for s in request.seqs])
+                llm.events.record("loading", [s.seq_id for s in request.seqs])
         return batch
 
-    def loading(self, request):   # the copies (Futures) its device blocks still wait for:
+    def record_made(self, events, unmade):
+        """Forget the copies made (all but unmade's), and tell the trace how many."""
+        made = []
+        for future in list(self.started):
+            if future not in unmade:
+                made.append(self.started.pop(future))
+        self.in_flight = {key: f for key, f in self.in_flight.items() if f in unmade}
+        if not made:
+            return
+        arrived = _ids([dst for _, _, dst_tier, dst in made if dst_tier.name == "device"])
+        arrived = f" (device blocks {arrived} arrived)" if arrived else ""
+        events.record("copies made", num_copies=len(made), arrived=arrived)
+
+    def loading(self, request):
+        """The copies (Futures) its device blocks still wait for: those that write one, or read
+        one evicted (unregistered: the step may write it); not a write-ahead's, which reads a
+        registered block: K/V that never change, the step's too."""
         mine = {("device", b) for s in request.seqs for b in s.block_table}
-        # those that write one, or read one evicted (unregistered: the step may write it); not a
-        # write-ahead's, which reads a registered block: K/V that never change, the step's too
-        return {f for f, (src, i, dst, j) in self.started.items() if not f.done() and
-                ((dst.name, j) in mine or (src.name, i) in mine and src.blocks[i].hash is None)}
+        waits = set()
+        for future, (src, i, dst, j) in self.started.items():
+            writes = (dst.name, j) in mine
+            reads = (src.name, i) in mine and src.blocks[i].hash is None
+            if not future.done() and (writes or reads):
+                waits.add(future)
+        return waits
 
     def idle(self):   # has every copy queued been made (or failed)?
         return all(f.done() for f in self.started)
 
-    def wait(self, *futures):   # until one of the sets of Futures is all done: the step waits
+    def wait(self, *futures):
+        """Until one of the sets of Futures is all done: the step waits."""
         t0 = time.perf_counter()
         while not any(all(f.done() for f in fs) for fs in futures):
             pending = {f for fs in futures for f in fs if not f.done()}
             concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
         self.copy_wait_seconds += time.perf_counter() - t0
 
-    def give_up(self, links):
+    def give_up(self, copier):
         """(Undo, abort) Stop at once: the copies not begun are cancelled, the one under way is let
         go by its link. Returns the (tier, block) that the copies not made were to write: their
         K/V are not trusted. However slow the links, a Ctrl-C is answered in moments."""
         # made: done before the stop; one under way may stop half made. After a failure none no
         # step has seen made is trusted: those before the failed one were made, but the undo
         # drops their blocks too (a failure is rare)
-        lost = [copy for f, copy in self.started.items() if not f.done() or self.failed is not None]
-        links.stop.set()
+        lost = []
+        for future, copy in self.started.items():
+            if not future.done() or self.failed is not None:
+                lost.append(copy)
+        copier.stop.set()
         for future in self.started:
             future.cancel()   # (False for the one under way: it ends at its link's next wait)
         concurrent.futures.wait(self.started)
-        links.stop.clear()
-        self.in_flight, self.started, self.failed = {}, {}, None   # the bookkeeping starts over
+        copier.stop.clear()
+        # the bookkeeping starts over
+        self.in_flight = {}
+        self.started = {}
+        self.failed = None
         return {(dst_tier, dst) for _, _, dst_tier, dst in lost}
 
-WRITE_AHEAD = 16   # async_copies: the cached blocks next out that an idle link copies below, then
-WRITE_AHEAD_PER_STEP = 4   # the held ones (WRITE_AHEAD 0: no write-ahead at all); 4 at most a step
+
+# async_copies: an idle link copies below the cached blocks next out, WRITE_AHEAD of them (0: no
+# write-ahead at all), then the full blocks that running sequences hold; at most
+# WRITE_AHEAD_PER_STEP a step
+WRITE_AHEAD = 16
+WRITE_AHEAD_PER_STEP = 4
+
 
 def write_ahead(bm, through):
-    """Device blocks with no copy below get one in the first tier below that keeps it (_keeps, as
-    on eviction), in the background, and stay: the WRITE_AHEAD cached blocks next out first
+    """Device blocks with no copy below get one in the first tier below that keeps it (as on
+    eviction), in the background, and stay: the WRITE_AHEAD cached blocks next out first
     (write-back, ahead of need), then the full blocks that running sequences hold, each looked at
     once (write-through: a request that ends leaves its copies below). Evicting one later makes
-    no copy, so no step waits for its write-down; the engine calls it when the link is idle."""
-    lower = [t for t in bm.tiers[1:] if bm._worth_loading(t)]
-    next_out = itertools.islice(bm.device.cached_block_ids, WRITE_AHEAD)
-    blocks = itertools.chain((bm.device.blocks[b] for b in next_out), _written_through(bm, through))
-    blocks = (b for b in blocks if b.hash is not None   # registered (lazy: until enough),
-              and not bm._lookup(lower, b.hash, b.token_ids, b.parent_prefix_id))   # none below
-    for block in itertools.islice(blocks, WRITE_AHEAD_PER_STEP):
-        # a held block only into room right below: it evicts nothing there for a block in use
-        tiers = [t for t in lower[:1] if t.free_block_ids] if block.ref_count else lower
-        below = next((t for t in tiers if bm._keeps(t, block)), None)
-        if below is not None:
-            bm._write_down(bm.device, block, below, "write ahead")
-
-def _written_through(bm, through):   # (lazy: each block looked at as write_ahead asks for it)
-    for seq in list(bm.device.seqs.values()):   # through: seq -> (its table, blocks looked at)
-        table, start = through.get(seq, (None, 0))   # (a new table: freed, allocated again)
-        for i in range(start if table is seq.block_table else 0,
-                       seq.num_computed_tokens // bm.block_size):
+    no copy, so no step waits for its write-down; the engine calls it when the link is idle.
+    through: seq -> (its table, blocks looked at), kept from step to step."""
+    lower = tiers_below(bm, bm.device)
+    left = WRITE_AHEAD_PER_STEP
+    next_out = list(itertools.islice(bm.device.cached_block_ids, WRITE_AHEAD))
+    for block_id in next_out:
+        if left == 0:
+            return
+        block = bm.device.blocks[block_id]
+        if needs_copy_below(bm, lower, block):
+            left -= 1
+            write_down_ahead(bm, lower, block)
+    for seq in list(bm.device.seqs.values()):
+        table, start = through.get(seq, (None, 0))
+        if table is not seq.block_table:   # a new table: freed, allocated again
+            start = 0
+        for i in range(start, seq.num_computed_tokens // bm.block_size):
+            if left == 0:
+                return
             through[seq] = seq.block_table, i + 1
-            yield bm.device.blocks[seq.block_table[i]]
+            block = bm.device.blocks[seq.block_table[i]]
+            if needs_copy_below(bm, lower, block):
+                left -= 1
+                write_down_ahead(bm, lower, block)
 
-def kv_row(head_dim, dtype):   # a token's K (or V) in one KV head: INT8 has its float32 scale after
-    return head_dim + 4 if dtype == torch.int8 else head_dim
 
-def to_dtype(kv, dtype):   # K/V rows into another tier's dtype: quantized to INT8, or back
-    if kv.dtype == dtype:
-        return kv
-    return quantize(kv) if dtype == torch.int8 else dequantize(kv, dtype)
+def needs_copy_below(bm, lower, block):   # registered, with no copy in a tier below
+    if block.hash is None:
+        return False
+    copies = bm._lookup(lower, block.hash, block.token_ids, block.parent_prefix_id)
+    return not copies
 
-def ms(seconds):   # a measured time, as the trace prints it
-    return f"{1e3 * seconds:.3g} ms"
+
+def write_down_ahead(bm, lower, block):   # into the first tier below that keeps it, if any
+    tiers = lower
+    if block.ref_count > 0:   # held: only into room right below, evicting nothing there
+        tiers = [t for t in lower[:1] if t.empty_block_ids]
+    below = [t for t in tiers if keeps(t, block)]
+    if below:
+        bm._write_down(bm.device, block, below[0], "write ahead")
+
 
 def open_disk_pool(path, shape, dtype):
     """The disk tier's K/V: a new file (by default a temporary one) mapped into memory, so that a
@@ -1598,80 +2059,135 @@ def open_disk_pool(path, shape, dtype):
             fd, path = tempfile.mkstemp(prefix="nanopaged-", suffix=".kv")
         else:
             path = os.fspath(path)   # a str or a Path: torch.from_file takes a str
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)   # a new file only
+            # a new file only
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError as e:
         raise ValueError(f"disk_path {path!r}: cannot create it ({e.strerror})") from None
     num_bytes = math.prod(shape) * dtype.itemsize
-    try:   # (an OS without posix_fallocate gets a sparse file: a full disk fails later there)
-        getattr(os, "posix_fallocate", lambda fd, start, n: os.ftruncate(fd, n))(fd, 0, num_bytes)
+    try:
+        reserve(fd, num_bytes)
     except (OSError, OverflowError) as e:   # no room; or more bytes than a file may have
         folder = os.path.dirname(os.path.abspath(path))
-        free = shutil.disk_usage(folder).free + os.fstat(fd).st_blocks * 512   # its own part: freed
-        raise ValueError(f"num_disk_blocks: {num_bytes / 2**20:.1f} MiB do not fit in {folder} "
-                         f"({free / 2**20:.1f} MiB free): {getattr(e, 'strerror', e)}") from None
+        # its own part is freed with it
+        free = shutil.disk_usage(folder).free + os.fstat(fd).st_blocks * 512
+        why = getattr(e, "strerror", e)
+        raise ValueError(f"num_disk_blocks: {num_bytes / 2**20:.1f} MiB do not fit in "
+                         f"{folder} ({free / 2**20:.1f} MiB free): {why}") from None
     else:   # mapped: the mapping keeps the file once its name is gone
-        return torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
+        pool = torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype)
+        return pool.view(shape)
     finally:   # the name goes at once, mapped or not: nothing outlives the engine
         os.close(fd)
         os.remove(path)
 
-# ----------------------------------------------------------------------------------------------
-# 9. Failure recovery: a step that raises (an error, Ctrl-C) is undone
-# LLM.step keeps an Undo (the engine's objects, the requests the step can touch, their random
-# streams) to put back if the step raises, all but K/V it may have half-written: every request
-# the pools held is recomputed. The prefix cache stays, in its LRU order: a block is registered
-# once its K/V are written (or their copy is queued), unregistered before it is written again, so
-# a recompute finds its full blocks there; a block whose queued copy was never made is dropped.
-# The copies on their way are given up, not waited for (CopyEngine.give_up): however slow the
-# links, Ctrl-C is answered at once. recovery() runs the undo (and generate()'s drop of its
-# requests, which gives up the copies too if they were stopped between steps); a second Ctrl-C
-# waits for it.
 
-def copy_state(obj, *edited):   # obj's attributes, with a copy of each list named in edited
-    # (none named: of every list, deque and Counter it has)
-    edited = edited or [k for k, v in vars(obj).items() if isinstance(v, (list, deque, Counter))]
-    return vars(obj) | {k: getattr(obj, k).copy() for k in edited}
+def reserve(fd, num_bytes):
+    """The file's space, taken now. An OS without posix_fallocate gets a sparse file: a full
+    disk fails later there."""
+    if hasattr(os, "posix_fallocate"):
+        os.posix_fallocate(fd, 0, num_bytes)
+    else:
+        os.ftruncate(fd, num_bytes)
+
+# ----------------------------------------------------------------------------------------------
+# 10. Failure recovery: a step that raises (an error, Ctrl-C) is undone
+# LLM.step keeps an Undo (the fields a step can change, of the engine's objects and of the
+# requests it can touch, and their random streams) to put back if the step raises, all but K/V
+# it may have half-written: every request the pools held is recomputed. The prefix cache stays,
+# in its LRU order: a block is registered once its K/V are written (or their copy is queued),
+# unregistered before it is written again, so a recompute finds its full blocks there; a block
+# whose queued copy was never made is dropped. The copies on their way are given up, not
+# waited for (CopyEngine.give_up): however slow the links, Ctrl-C is answered at once.
+# recovery() runs the undo (and generate()'s drop of its requests, which gives up the copies
+# too if they were stopped between steps); a second Ctrl-C waits for it.
+
+# What a step can change, by class, named in one place: the fields Undo saves and puts back,
+# then the fields it need not (set once made; rebuilt by start_over: the pools and their
+# blocks; or kept apart: a sequence's tokens, cut back to their number, and a request's random
+# streams). A test holds every class's fields to this table.
+UNDO_FIELDS = {
+    "LLM": ("num_steps num_prefill_tokens_computed num_generated_tokens",
+            "device dtype model tokenizer max_model_len kv_cache kv_caches copier copy_engine "
+            "on_step events block_manager scheduler seed request_ids requests"),
+    "Scheduler": ("waiting running swapped num_preemptions",
+                  "block_manager events eos_token_ids max_num_seqs max_num_batched_tokens "
+                  "preemption_mode watermark_blocks"),
+    "PriorityScheduler": ("waiting running swapped num_preemptions num_steps_waited",
+                          "block_manager events eos_token_ids max_num_seqs "
+                          "max_num_batched_tokens preemption_mode watermark_blocks aging_steps"),
+    "BlockManager": ("copies counts",
+                     "num_blocks block_size enable_prefix_caching events cost tiers device "
+                     "host disk prefix_ids clock"),
+    "EventLog": ("step records", ""),
+    "Request": ("status seqs finished hypotheses first_token_time",
+                "request_id params priority prompt_token_ids generators arrival_time"),
+    "Sequence": ("num_computed_tokens num_cached_tokens block_table waits_for prefill_until "
+                 "finish_reason finish_time logprobs cum_logprob",
+                 "seq_id request_id index token_ids num_prompt_tokens block_hashes"),
+    "Pool": ("", "name blocks empty_block_ids cached_block_ids hash_to_block_ids seqs"),
+    "Block": ("", "block_id ref_count cached_at hash token_ids prefix_id parent_prefix_id hits"),
+}
+
+
+def saved_state(obj):
+    """obj's fields that a step can change (UNDO_FIELDS), with a copy of each list, deque or
+    Counter among them (a step edits those in place)."""
+    saved_fields, _ = UNDO_FIELDS[type(obj).__name__]
+    state = {}
+    for name in saved_fields.split():
+        value = getattr(obj, name)
+        if isinstance(value, (list, deque, Counter)):
+            value = value.copy()
+        state[name] = value
+    return state
+
 
 class Undo:
     """What a step can change, as it was before it, and no more: the record grows with the
     requests the step can touch, not with their lengths (nor with the pool's size)."""
 
     def __init__(self, llm):
-        self.llm, sched = llm, llm.scheduler
+        self.llm = llm
+        sched = llm.scheduler
         room = sched.max_num_seqs - sum(r.max_num_running_seqs for r in sched.running)
-        waiting = itertools.islice(sched.waiting, max(0, room) + 1)   # those it can admit, or try
-        requests = [*sched.running, *sched.swapped, *waiting]   # the requests it can touch
-        # the engine's objects, a few: their attributes, every list, deque and Counter copied
-        self.states = [(x, copy_state(x)) for x in (llm, sched, llm.block_manager, llm.events)]
-        # the requests and their sequences, by the hundred: their attributes, with a copy of the
-        # short lists a step edits (a fork appends to a request's sequences, a finish moves one
-        # to its finished; copy-on-write and swaps rewrite a block table), random streams cloned
-        self.states += [(r, copy_state(r, "seqs", "finished", "hypotheses")) for r in requests]
-        self.states += [(r, {"generators": [g.clone_state() for g in r.generators]})
-                        for r in requests if r.generators]
-        self.states += [(s, copy_state(s, "block_table")) for r in requests for s in r.seqs]
-        # and of a sequence's tokens, which a step only appends to, the count, to cut them back
-        # to: a copy would cost them whole, every step. (Its hash chain needs no cut: a step hashes
-        # only blocks whose tokens were all there before it. A prompt never changes.)
-        self.lengths = [(s.token_ids, len(s)) for r in requests for s in r.seqs]
+        # the waiting requests it can admit, or try to
+        waiting = itertools.islice(sched.waiting, max(0, room) + 1)
+        requests = [*sched.running, *sched.swapped, *waiting]
+        seqs = [s for r in requests for s in r.seqs]
+        objects = [llm, sched, llm.block_manager, llm.events, *requests, *seqs]
+        self.states = [(obj, saved_state(obj)) for obj in objects]
+        # the random streams, cloned
+        self.generators = []
+        for request in requests:
+            self.generators.append((request, [g.clone_state() for g in request.generators]))
+        # a sequence's tokens, which a step only appends to: their number, to cut them back to
+        # (a copy would cost them whole, every step). Its hash chain needs no cut: a step hashes
+        # only blocks whose tokens were all there before it. A prompt never changes.
+        self.lengths = [(s.token_ids, len(s)) for s in seqs]
 
     def restore(self):   # (called by recovery(), which holds Ctrl-C until it is done)
         llm = self.llm
+        # the blocks never copied to, and those the copies given up were to write
         unmade = {(tier, block_id) for _, _, tier, block_id in llm.block_manager.copies}
-        if llm.copy_engine:   # the copies in flight: given up, those not made never trusted
-            unmade |= llm.copy_engine.give_up(llm.links)
+        if llm.copy_engine is not None:
+            unmade |= llm.copy_engine.give_up(llm.copier)
         for obj, state in self.states:   # bm.copies too: empty, as every step starts
-            vars(obj).update(state)
+            for name, value in state.items():
+                setattr(obj, name, value)
+        for request, generators in self.generators:
+            request.generators = generators
         for token_ids, n in self.lengths:   # the tokens the step appended, cut off
             del token_ids[n:]
         start_over(llm, unmade)
 
+
 def start_over(llm, unmade):
     """Every request the pools hold lets go of its blocks, to be recomputed; the pools keep the
-    prefix cache, but for the blocks in unmade ((tier, block id): K/V not in place), freed."""
+    prefix cache, but for the blocks in unmade ((tier, block id): K/V not in place), emptied."""
     sched, bm = llm.scheduler, llm.block_manager
     holders = sorted(sched.running + sched.swapped, key=lambda r: r.request_id, reverse=True)
-    sched.running, sched.swapped = [], []
+    sched.running = []
+    sched.swapped = []
     for request in holders:   # the newest first, so that the oldest ends in front
         # its blocks stamped as freeing them would (tail first; a shared block at its last
         # holder), for the rebuild's LRU order; then it lets go of them, to be recomputed
@@ -1684,103 +2200,141 @@ def start_over(llm, unmade):
     for pool in bm.tiers:   # nobody holds a block; the registered stay cached
         rebuild_pool(bm, pool, unmade)
 
+
 def rebuild_pool(bm, pool, unmade):
-    """Every block of pool free, or cached if whole and registered as the step left it, in LRU
-    order: by cached_at (Undo.restore has stamped the blocks the step's holders held)."""
+    """Every block of pool empty, or cached if whole and registered as the step left it, in LRU
+    order: by cached_at (start_over has stamped the blocks the step's holders held)."""
     registered = pool.hash_to_block_ids   # as the step left it: a block goes in last
-    vars(pool).update(vars(Pool(pool.name, 0)), blocks=pool.blocks)   # its lists empty, as new
+    # its lists empty, as new
+    pool.empty_block_ids = deque()
+    pool.cached_block_ids = OrderedDict()
+    pool.hash_to_block_ids = {}
+    pool.seqs = {}
     for block in sorted(pool.blocks, key=lambda b: b.cached_at):
         whole = (pool, block.block_id) not in unmade   # its K/V are in place
         if whole and block.block_id in registered.get(block.hash, ()):
             block.ref_count = 0
-            bm._register(pool, block, block.entry)
+            bm._register(pool, block)
             pool.cached_block_ids[block.block_id] = None
         else:   # not registered, or half registered or half evicted as the step stopped
-            vars(block).update(vars(Block(block.block_id)))
-            pool.free_block_ids.append(block.block_id)
+            clear(block)
+            pool.empty_block_ids.append(block.block_id)
 
-@contextlib.contextmanager
-def interrupts_held(hold=None):
-    """Ctrl-C (SIGINT: only the main thread gets it) waits until the block ends, then goes to the
-    handler that was there before. With hold, only while hold() says so; at other times that
-    handler takes it at once (none of Python's: the default kills, or it is ignored)."""
-    previous = signal.getsignal(signal.SIGINT)
-    main = threading.current_thread() is threading.main_thread()   # the one that may set handlers
-    if not main or hold is not None and not callable(previous):
-        yield
-        return
-    caught = []
 
-    def handler(signum, frame):
-        if hold is None or hold():
-            caught.append(signum)
-        else:
-            previous(signum, frame)   # Python's own handler raises KeyboardInterrupt here
+def clear(block):   # as a new Block: held by nobody, in no prefix
+    new = Block(block.block_id)
+    for f in dataclasses.fields(Block):
+        setattr(block, f.name, getattr(new, f.name))
 
-    try:   # (a Ctrl-C that comes as it is set: the finally puts the previous one back)
-        signal.signal(signal.SIGINT, handler)
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if caught:
-            signal.raise_signal(signal.SIGINT)   # to the handler that was there before
+
+class Interrupts:
+    """`with Interrupts() as interrupts:` a Ctrl-C (SIGINT: only the main thread gets it) waits
+    until the block ends, then goes to the handler that was there before (Python's raises
+    KeyboardInterrupt), while interrupts.held is True; at other times it goes there at once, and
+    holding starts: a second Ctrl-C never cuts short what the first set off. (A handler that is
+    not Python's, the default that kills or an ignore, is left to act.)"""
+
+    def __init__(self):
+        self.held = True
+        self.caught = False
+        self.previous = signal.getsignal(signal.SIGINT)
+        # only the main thread may set handlers
+        main = threading.current_thread() is threading.main_thread()
+        self.installed = main and callable(self.previous)
+
+    def __enter__(self):
+        if self.installed:
+            signal.signal(signal.SIGINT, self.handle)
+        return self
+
+    def handle(self, signum, frame):
+        if self.held:
+            self.caught = True
+            return
+        try:
+            self.previous(signum, frame)   # Python's raises KeyboardInterrupt
+        finally:   # what it sets off (a recovery) is never cut short by another
+            self.held = True
+
+    def release(self):
+        """From now on a Ctrl-C goes on at once (one caught so far: now)."""
+        self.held = False
+        if self.caught:
+            self.caught = False
+            self.handle(signal.SIGINT, None)
+
+    def __exit__(self, *exc):
+        if self.installed:
+            signal.signal(signal.SIGINT, self.previous)
+            if self.caught:   # to the handler that was there before
+                signal.raise_signal(signal.SIGINT)
+
 
 @contextlib.contextmanager
 def recovery(undo):
     """`with recovery(undo):` if the block raises (an error, Ctrl-C), undo() runs before the
-    exception goes on. A Ctrl-C that comes once the exception is back at the `with` line, on its
-    way to undo() or during it, waits until undo() is done: no line of it is skipped."""
-    frame = sys._getframe(2)   # the frame of the `with` statement (1: contextlib's __enter__)
-    line = frame.f_lineno
-    recovering = False
-    # Ctrl-C is held once the block is over (its frame back at the `with` line) and while
-    # recovering. The frame is at that line until the block begins too: a Ctrl-C that comes once
-    # the handler is set waits for the block's end, where the handler goes (a Ctrl-C held: raised)
-    with interrupts_held(hold=lambda: recovering or frame.f_lineno == line):
+    exception goes on. In the block a Ctrl-C raises at once; after the first (or an error), and
+    once the block is over, a Ctrl-C waits until undo() and the exit are done: no line of them
+    is skipped. (One that comes just as the block ends undoes the block whole: the engine stays
+    consistent either way.)"""
+    with Interrupts() as interrupts:
         try:
+            interrupts.release()
             yield
+            interrupts.held = True   # the block is over
         except BaseException:
-            recovering = True
+            interrupts.held = True
             undo()
             raise
+
 
 def check_logits(llm, logits, to_sample):
     """Logits that are NaN or inf (the model broken) raise before any token is sampled from them,
     naming the step and the requests; the step is undone, as after any error."""
     broken = (~logits.isfinite()).any(-1).tolist()   # (rows,)
-    if any(broken):
-        ids = sorted({request.request_id for (request, _), bad in zip(to_sample, broken) if bad})
-        raise FloatingPointError(f"step {llm.events.step}: requests {_ids(ids)}: logits are "
-                                 "NaN/inf: the model's weights or inputs are broken")
+    if not any(broken):
+        return
+    ids = {request.request_id for (request, _), bad in zip(to_sample, broken) if bad}
+    raise FloatingPointError(f"step {llm.events.step}: requests {_ids(sorted(ids))}: logits "
+                             "are NaN/inf: the model's weights or inputs are broken")
 
-def abort(llm, request_ids):   # drop a failed call's requests wherever they are, and their blocks
-    for request in [llm.requests.pop(r) for r in request_ids if r in llm.requests]:
-        for line in (llm.scheduler.waiting, llm.scheduler.running, llm.scheduler.swapped):
-            if request in line:
-                line.remove(request)
-        for seq in request.seqs:
-            llm.block_manager.free(seq)
-        request.status = RequestStatus.FINISHED
+
+def abort(llm, request_ids):
+    """Drop a failed call's requests wherever they are, and their blocks."""
+    sched = llm.scheduler
+    for request_id in request_ids:
+        request = llm.requests.pop(request_id, None)
+        if request is not None:
+            for line in (sched.waiting, sched.running, sched.swapped):
+                if request in line:
+                    line.remove(request)
+            for seq in request.seqs:
+                llm.block_manager.free(seq)
+            request.status = RequestStatus.FINISHED
     # stopped between steps, copies still on their way: given up (however slow the links), and
     # the requests left recompute, as after an undone step (the copies not made never trusted)
-    if llm.copy_engine and not llm.copy_engine.idle():
-        start_over(llm, llm.copy_engine.give_up(llm.links))
+    if llm.copy_engine is not None and not llm.copy_engine.idle():
+        start_over(llm, llm.copy_engine.give_up(llm.copier))
 
 # ----------------------------------------------------------------------------------------------
-# 10. Beam search: the beams of a request are forks of one another, on shared blocks
+# 11. Beam search: the beams of a request are forks of one another, on shared blocks
 
-# Each round every live beam offers its 2 * beam_width likeliest next tokens (vLLM's rule); an eos
-# candidate completes a hypothesis, the beam_width best others live on: a beam chosen twice forks
-# (ref_count + 1, no copy), one not chosen is freed, and the beams' common prefix stays shared.
+# Each round every live beam offers its 2 * beam_width likeliest next tokens (vLLM's rule); an
+# eos candidate completes a hypothesis, the beam_width best others live on: a beam chosen twice
+# forks (ref_count + 1, no copy), one not chosen is freed, and the beams' common prefix stays
+# shared.
 
-# a hypothesis: a beam that ended (eos, or max_tokens); beam_search() returns sequences best first
 BeamCandidate = namedtuple("BeamCandidate", "cum_logprob beam token")
+# a hypothesis: a beam that ended (eos, or max_tokens)
 BeamHypothesis = namedtuple("BeamHypothesis", "token_ids cum_logprob finish_reason")
+# what beam_search() returns: its sequences best first
 BeamSearchOutput = namedtuple("BeamSearchOutput", "request_id prompt_token_ids sequences")
 BeamSearchSequence = namedtuple("BeamSearchSequence",
                                 "token_ids text cum_logprob score finish_reason")
 
-def beam_round(scheduler, request):   # one round, as above; returns how many tokens it adds
+
+def beam_round(scheduler, request):
+    """One round, as above; returns how many tokens it adds."""
     params = request.params
     candidates = []
     for beam in request.seqs:
@@ -1789,14 +2343,19 @@ def beam_round(scheduler, request):   # one round, as above; returns how many to
             candidates.append(BeamCandidate(beam.cum_logprob + logprob, beam, token))
         beam.logprobs = None
     eos = frozenset() if params.ignore_eos else scheduler.eos_token_ids
-    request.hypotheses += [BeamHypothesis(c.beam.output_token_ids + [c.token], c.cum_logprob,
-                                          "stop") for c in candidates if c.token in eos]
+    for c in candidates:
+        if c.token in eos:
+            token_ids = c.beam.output_token_ids + [c.token]
+            request.hypotheses.append(BeamHypothesis(token_ids, c.cum_logprob, "stop"))
     live = [c for c in candidates if c.token not in eos]
     chosen = sorted(live, key=lambda c: c.cum_logprob, reverse=True)[:params.beam_width]
-    for beam in list(request.seqs):   # fork first (a child copies its parent's tokens)...
+    # fork first (a child copies its parent's tokens), then append
+    for beam in list(request.seqs):
         picks = [c for c in chosen if c.beam is beam]
-        family = [beam] + [scheduler.fork_seq(request, beam) for _ in picks[1:]]
-        for child, pick in zip(family, picks):   # ... then append
+        family = [beam]
+        for _ in picks[1:]:
+            family.append(scheduler.fork_seq(request, beam))
+        for child, pick in zip(family, picks):
             child.append_token(pick.token)
             child.cum_logprob = pick.cum_logprob
         if not picks:   # not chosen (no fork, no token above): it ends
@@ -1808,53 +2367,66 @@ def beam_round(scheduler, request):   # one round, as above; returns how many to
             scheduler.finish(request, beam, "length")
     return len(chosen)
 
-def beam_output(llm, request):   # the best by vLLM's score, whose length counts no ending eos
+
+def beam_output(llm, request):
+    """The best hypotheses by vLLM's score, whose length counts no ending eos."""
     def score(h):
-        length = len(request.prompt_token_ids) + len(h.token_ids) - (h.finish_reason == "stop")
+        length = len(request.prompt_token_ids) + len(h.token_ids)
+        if h.finish_reason == "stop":
+            length -= 1
         return h.cum_logprob / length ** request.params.length_penalty
+
     best = sorted(request.hypotheses, key=score, reverse=True)[:request.params.beam_width]
-    sequences = [BeamSearchSequence(h.token_ids, llm._detokenize(h.token_ids), h.cum_logprob,
-                                    score(h), h.finish_reason) for h in best]
+    sequences = []
+    for h in best:
+        text = llm._detokenize(h.token_ids)
+        sequences.append(BeamSearchSequence(h.token_ids, text, h.cum_logprob, score(h),
+                                            h.finish_reason))
     # an eos ends a hypothesis without joining a beam: it counts only if it is returned
-    llm.num_generated_tokens += sum(s.finish_reason == "stop" for s in sequences)
+    llm.num_generated_tokens += sum(1 for s in sequences if s.finish_reason == "stop")
     return BeamSearchOutput(request.request_id, request.prompt_token_ids, sequences)
 
 # ----------------------------------------------------------------------------------------------
-# 11. Priorities and aging: who goes first, and who gives up memory
+# 12. Priorities and aging: who goes first, and who gives up memory
 
-# scheduling_policy="priority" (vLLM's --scheduling-policy priority): each request has a priority,
-# lower first, ties by arrival. The Scheduler serves it unchanged: it keeps each line (waiting,
-# running, swapped) in rank() order, so the first waiting request is the most urgent, and the
-# victim of a preemption, the last running one, the least urgent (the newest among equals). One
-# difference: a swapped request goes before a waiting one only if it ranks better.
+# scheduling_policy="priority" (vLLM's --scheduling-policy priority): each request has a
+# priority, lower first, ties by arrival. The Scheduler serves it unchanged: it keeps each line
+# (waiting, running, swapped) in rank() order, so the first waiting request is the most urgent,
+# and the victim of a preemption, the last running one, the least urgent (the newest among
+# equals). One difference: a swapped request goes before a waiting one only if it ranks better.
 #
-# Serving the urgent first can starve the others: a steady stream of urgent requests holds a less
-# urgent one back for ever. Aging (priority_aging_steps=K; 0: off) is the answer: a request's
-# effective priority improves by one level for every K steps it has waited or sat swapped out, and
-# what it earned stays with it when it runs (it is preempted less readily). The bound: a request r
-# of priority p is never admitted after one that arrived K * (p - q) or more steps after it (q:
-# that one's priority). So once K * (p - best) steps have passed (best: the best priority that
-# comes), no later request goes first: r waits only for those that came before then. Why: the
-# line is served in rank order, the first waiting request first or nobody; a request q that came
-# d steps after r and goes first ranks better, q - (its steps waited) // K < p - (r's) // K, and
-# it has waited at most r's steps - d, so d // K < p - q.
+# Serving the urgent first can starve the others: a steady stream of urgent requests holds a
+# less urgent one back for ever. Aging (priority_aging_steps=K; 0: off) is the answer: a
+# request's effective priority improves by one level for every K steps it has waited or sat
+# swapped out, and what it earned stays with it when it runs (it is preempted less readily).
+# The bound: a request r of priority p is never admitted after one that arrived K * (p - q) or
+# more steps after it (q: that one's priority). So once K * (p - best) steps have passed (best:
+# the best priority that comes), no later request goes first: r waits only for those that came
+# before then. Why: the line is served in rank order, the first waiting request first or
+# nobody; a request q that came d steps after r and goes first ranks better,
+# q - (its steps waited) // K < p - (r's) // K, and it has waited at most r's steps - d, so
+# d // K < p - q.
 
 class PriorityScheduler(Scheduler):
     """A Scheduler whose lines are ranked by (effective priority, arrival): see above."""
 
-    def __init__(self, *args, aging_steps=0, **kwargs):   # aging_steps: priority_aging_steps
-        super().__init__(*args, **kwargs)
-        self.aging_steps = aging_steps
-        self.num_steps_waited = Counter()   # request_id -> steps it spent waiting or swapped out
+    def __init__(self, block_manager, args, eos_token_ids=()):
+        super().__init__(block_manager, args, eos_token_ids)
+        self.aging_steps = args.priority_aging_steps
+        # request_id -> steps it spent waiting or swapped out
+        self.num_steps_waited = Counter()
 
     def rank(self, request):   # (effective priority, arrival)
-        waited = self.num_steps_waited[request.request_id]
-        aged = waited // self.aging_steps if self.aging_steps else 0
+        aged = 0
+        if self.aging_steps:
+            aged = self.num_steps_waited[request.request_id] // self.aging_steps
         return request.priority - aged, request.request_id
 
     def _next_in_line(self, batch):   # the better ranked of the first swapped and first waiting
-        first_waiting = [self.waiting[0]] if self.waiting and not batch.is_full else []
-        return min(self.swapped[:1] + first_waiting, key=self.rank, default=None)
+        firsts = self.swapped[:1]
+        if self.waiting and not batch.is_full:
+            firsts.append(self.waiting[0])
+        return min(firsts, key=self.rank, default=None)
 
     def schedule(self):
         batch = super().schedule()
@@ -1869,35 +2441,52 @@ class PriorityScheduler(Scheduler):
         return batch
 
 # ----------------------------------------------------------------------------------------------
-# 12. The live view, drawn with rich after every step
+# 13. The live view, drawn with rich after every step
 
-def printable(text):   # never raw: a newline as a space, other control characters escaped
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text.replace("\n", " "))
+def printable(text):
+    """Never raw: a newline as a space, other control characters escaped."""
+    chars = []
+    for c in text.replace("\n", " "):
+        chars.append(c if c.isprintable() else repr(c)[1:-1])
+    return "".join(chars)
 
-def wrapped(text, width, style=None, indent=2):   # rows of at most width columns, nothing cut
+
+NBSP = "\xa0"   # a space where a row never breaks
+
+
+def wrapped(text, width, style=None, indent=2):
+    """Rows of at most width columns, nothing cut; NBSP: a space, never a break."""
     rows = textwrap.wrap(text, width, subsequent_indent=" " * indent, break_on_hyphens=False)
-    return [Text(row.replace(NBSP, " "), style) for row in rows]   # NBSP: a space, never a break
+    return [Text(row.replace(NBSP, " "), style) for row in rows]
 
 
-NBSP = "\xa0"
+def phrases(items, width, style=None):
+    """Rows of whole phrases, " | " between them."""
+    text = f"{NBSP}| ".join(item.replace(" ", NBSP) for item in items)
+    return wrapped(text, width, style)
 
-
-def phrases(items, width, style=None):   # rows of whole phrases, " | " between them
-    return wrapped(f"{NBSP}| ".join(item.replace(" ", NBSP) for item in items), width, style)
 
 MIN_VIEW_WIDTH = 64   # a sequence row: its ids, state, K/V, block table, some text
-HOLDER_COLOURS = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "orange3"]
+HOLDER_COLOURS = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan",
+                  "orange3"]
+
 
 def table_text(pool, block_table, width):
-    """A block table in width columns: runs of ids as first-last (*: shared), its middle as (+k)."""
-    shared = lambda b: "*" if pool[b].ref_count > 1 else ""
-    # each run of consecutive ids (b - i the same), all shared or none: (its mark, its ids)
-    runs = [(mark, [b for _, b in run]) for (_, mark), run in itertools.groupby(
-        enumerate(block_table), lambda p: (p[1] - p[0], shared(p[1])))]
-    # (text, blocks) of each: the event log's runs ('0-2', '4, 5'), each id marked, no commas
-    parts = [(_ids(ids).replace(", ", f"{mark} ") + mark, len(ids)) for mark, ids in runs]
+    """A block table in width columns: runs of ids as first-last (*: shared), its middle as
+    (+k)."""
+    def run_of(p):   # (b - i: the same along a run of consecutive ids, its shared mark)
+        i, b = p
+        return b - i, "*" if pool[b].ref_count > 1 else ""
+
+    # (text, blocks) of each run, all shared or none: the event log's runs ('0-2', '4, 5'),
+    # each id marked, no commas
+    parts = []
+    for (_, mark), run in itertools.groupby(enumerate(block_table), run_of):
+        ids = [b for _, b in run]
+        parts.append((_ids(ids).replace(", ", f"{mark} ") + mark, len(ids)))
     for keep in range(len(parts), -1, -1):   # the first and last parts, as many as fit
-        head, tail = parts[:(keep + 1) // 2], parts[len(parts) - keep // 2:]
+        head = parts[:(keep + 1) // 2]
+        tail = parts[len(parts) - keep // 2:]
         hidden = len(block_table) - sum(n for _, n in head + tail)
         middle = [(f"(+{hidden})", hidden)] if hidden else []
         text = " ".join(t for t, _ in head + middle + tail)
@@ -1905,19 +2494,26 @@ def table_text(pool, block_table, width):
             break
     return f"[{text}]"
 
+
 class View:
     """Draws the engine after every step (an on_step callback); live: in place, on the terminal's
     screen (the last frame stays), else a trace. `with View(llm): llm.generate(...)`."""
 
     def __init__(self, llm, live=True, console=None, delay=0.0):
         # delay: seconds to pause after a step, and as many per event it shows
-        self.llm, self.delay = llm, delay
+        self.llm = llm
+        self.delay = delay
         # a trace is plain text of a fixed width, so that runs with the same seed print the same
-        self.console = console or (Console(highlight=False) if live else
-                                   Console(highlight=False, color_system=None, width=80))
-        # live: rich's Live, which keeps the frame it shows, on the terminal's own screen (what was
-        # printed before, loading, stays off it), started on entering; a trace: None
-        self.live = Live(console=self.console, auto_refresh=False, screen=True) if live else None
+        if console is None and live:
+            console = Console(highlight=False)
+        elif console is None:
+            console = Console(highlight=False, color_system=None, width=80)
+        self.console = console
+        # live: rich's Live, which keeps the frame it shows, on the terminal's own screen (what
+        # was printed before, loading, stays off it), started on entering; a trace: None
+        self.live = None
+        if live:
+            self.live = Live(console=self.console, auto_refresh=False, screen=True)
 
     def __enter__(self):
         self.llm.on_step.append(self)
@@ -1946,58 +2542,81 @@ class View:
         what is above them always shows, or a note saying the terminal is too small."""
         width = self.console.width
         top = self.metrics(report, width) + self.batch(report.batch, width)
-        top += self.pools(width, max(3, (height - 14) * 2 // 3) if height else None)
+        pool_rows = None   # all of them
+        if height:
+            pool_rows = max(3, (height - 14) * 2 // 3)
+        top += self.pools(width, pool_rows)
         rows = top + self.sequences(width)
         for e in report.events:   # a wrapped event continues 7 columns in
             rows += wrapped(f"{e.step:>5}  {e.words()}", width, indent=7)
+        if height is None:
+            return Group(*rows)
         # a terminal too small: a note saying what the view needs
-        if height is not None and (width < MIN_VIEW_WIDTH or height - len(top) < 4):
+        if width < MIN_VIEW_WIDTH or height - len(top) < 4:
             note = (f"step {report.step}: {len(report.events)} events. The terminal ({width}x"
-                    f"{height}) is too small for the view: it needs {MIN_VIEW_WIDTH} columns and "
-                    f"{len(top) + 4} rows")
+                    f"{height}) is too small for the view: it needs {MIN_VIEW_WIDTH} columns "
+                    f"and {len(top) + 4} rows")
             return Group(*wrapped(note, width, indent=0)[:height])
-        if height is not None and len(rows) > height:   # the last row and those below: a count
-            rows[height - 1:] = [Text(f"  ... and {len(rows) - height + 1} more rows", "dim")]
+        if len(rows) > height:   # the last row and those below: a count
+            more = len(rows) - height + 1
+            rows[height - 1:] = [Text(f"  ... and {more} more rows", "dim")]
         return Group(*rows)
 
-    def metrics(self, report, width):   # the pool's fill, then what the memory system did so far
-        s, bm = report.stats, self.llm.block_manager
+    def metrics(self, report, width):
+        """The pool's fill, then what the memory system did so far."""
+        s = report.stats
+        bm = self.llm.block_manager
         usage = f"({bm.num_used_blocks()}/{bm.num_blocks} blocks)"
-        sizes = self.llm.links.bytes_per_block   # the device's dtype, then the tiers' if others
-        kv = [f"{t} {str(c.dtype)[6:]} ({sizes[t]:,} bytes a block)" for t, c in
-              self.llm.kv_caches.items() if c.dtype != self.llm.kv_cache.dtype or t == "device"]
+        # the device's dtype, then the tiers' if others
+        sizes = self.llm.copier.bytes_per_block
+        kv = []
+        for tier, cache in self.llm.kv_caches.items():
+            if cache.dtype != self.llm.kv_cache.dtype or tier == "device":
+                kv.append(f"{tier} {str(cache.dtype)[6:]} ({sizes[tier]:,} bytes a block)")
+        kv[0] = "KV cache: " + kv[0]   # (the device's)
         first = [f"step {report.step}", f"usage {s['kv_cache_usage_perc']:.0%} {usage}",
                  f"cached {len(bm.device.cached_block_ids)}",
                  f"occupancy {s['token_occupancy_perc']:.0%}",
                  f"hit rate {s['prefix_cache_hit_rate']:.0%}"]
-        second = [f"preemptions {s['num_preemptions']}",
-                  f"swapped out {s['num_swapped_out_blocks']} in {s['num_swapped_in_blocks']}",
+        swaps = f"swapped out {s['num_swapped_out_blocks']} in {s['num_swapped_in_blocks']}"
+        second = [f"preemptions {s['num_preemptions']}", swaps,
                   f"copies {s['num_cow_copies']}", f"evictions {s['num_evictions']}"]
-        if len(bm.host.blocks) + len(bm.disk.blocks):   # the tiers below: their traffic, in blocks
-            host, disk = (s[f"{t}_prefix_cache_hits"] // bm.block_size for t in ("host", "disk"))
-            second += [f"written down {s['num_offloaded_blocks']}",
-                       f"loaded {s['num_loaded_blocks']} blocks (host {host}, disk {disk})"]
-        kv[0] = "KV cache: " + kv[0]   # (the device's)
-        return [row for items in (kv, first, second) for row in phrases(items, width)]
+        # the tiers below: their traffic, in blocks
+        if len(bm.host.blocks) + len(bm.disk.blocks) > 0:
+            host = s["host_prefix_cache_hits"] // bm.block_size
+            disk = s["disk_prefix_cache_hits"] // bm.block_size
+            second.append(f"written down {s['num_offloaded_blocks']}")
+            second.append(f"loaded {s['num_loaded_blocks']} blocks (host {host}, disk {disk})")
+        rows = []
+        for items in (kv, first, second):
+            rows += phrases(items, width)
+        return rows
 
-    def batch(self, batch, width):   # prefill chunks beside decodes, and the decodes' slots
+    def batch(self, batch, width):
+        """Prefill chunks beside decodes, and the decodes' slots."""
         ends = itertools.accumulate(n for _, _, n in batch.entries)   # each entry's last token
-        # (seq, start, n, the slot of its last token); postprocess has moved seqs past them
-        ran = [(s, s.num_computed_tokens - n, n, batch.slot_mapping[end - 1])
-               for (_, s, n), end in zip(batch.entries, ends)]
-        parts = [f"seq {s.seq_id} prefill {start}-{start + n - 1} of {s.prefill_until}"
-                 for s, start, n, _ in ran if start < s.prefill_until]
-        decodes = sorted((s.seq_id, slot) for s, start, _, slot in ran if start >= s.prefill_until)
+        parts, decodes = [], []
+        for (_, s, n), end in zip(batch.entries, ends):
+            # postprocess has moved seqs past the tokens they ran
+            start = s.num_computed_tokens - n
+            if start < s.prefill_until:
+                parts.append(f"seq {s.seq_id} prefill {start}-{start + n - 1} of "
+                             f"{s.prefill_until}")
+            else:   # with the slot of its token
+                decodes.append((s.seq_id, batch.slot_mapping[end - 1]))
+        decodes.sort()
         if decodes:
             parts.append(f"seqs {_ids([seq_id for seq_id, _ in decodes])} decode")
         n = batch.num_tokens
         text = f"ran {n} token{'' if n == 1 else 's'}: " + " | ".join(parts)
         slots = f"{text} into slots {', '.join(str(slot) for _, slot in decodes)}"
-        return wrapped(slots if decodes and len(slots) <= width else text, width)   # if it fits
+        if decodes and len(slots) <= width:   # if it fits
+            text = slots
+        return wrapped(text, width)
 
     def _cells(self, pool, per_cell):   # a cell per per_cell blocks of a tier: see pools()
         tables = [(set(seq.block_table), seq.request_id) for seq in pool.seqs.values()]
-        # (tier name, block id) of each block a copy not made yet reads or writes (section 8)
+        # (tier name, block id) of each block a copy not made yet reads or writes (section 9)
         in_flight = self.llm.copy_engine.in_flight if self.llm.copy_engine else {}
         cells = Text()
         for i in range(0, len(pool.blocks), per_cell):
@@ -2006,64 +2625,81 @@ class View:
             if per_cell == 1 and (pool.name, group[0].block_id) in in_flight:
                 cells.append("~", "bold cyan")
             elif not used:
-                cells.append("·" if any(b.hash is not None for b in group) else ".", "dim")
+                cached = any(b.hash is not None for b in group)
+                cells.append("·" if cached else ".", "dim")
             elif per_cell > 1:
                 cells.append("█" if len(used) == len(group) else "▒", "bold")
             else:
-                b = used[0]
-                # the requests whose tables hold it
-                requests = {request_id for table, request_id in tables if b.block_id in table}
-                hue = "white" if len(requests) > 1 else HOLDER_COLOURS[min(requests, default=0) % 8]
-                cells.append(str(b.ref_count) if b.ref_count < 10 else "+",
-                             f"bold {hue}" if b.ref_count > 1 else hue)
+                cells.append(*self._cell(used[0], tables))
         return cells
 
-    def pools(self, width, max_rows=None):   # each tier's rows of cells, then a key to the symbols
+    def _cell(self, block, tables):
+        """(text, style) of a used block: its ref_count in its request's colour (white: several
+        requests'), bold if shared."""
+        requests = {request_id for table, request_id in tables if block.block_id in table}
+        hue = HOLDER_COLOURS[min(requests, default=0) % 8]
+        if len(requests) > 1:
+            hue = "white"
+        text = str(block.ref_count) if block.ref_count < 10 else "+"
+        return text, f"bold {hue}" if block.ref_count > 1 else hue
+
+    def pools(self, width, max_rows=None):
+        """Each tier's rows of cells, then a key to the symbols."""
         tiers = [pool for pool in self.llm.block_manager.tiers if pool.blocks]
         n = 64 if width >= 76 else 32   # cells a row
         lines, folds = [], []
         for pool in tiers:
-            rows = max(1, max_rows // len(tiers)) if max_rows else math.inf   # None: all blocks
+            rows = math.inf   # None: all blocks
+            if max_rows:
+                rows = max(1, max_rows // len(tiers))
             per_cell = max(1, math.ceil(len(pool.blocks) / (n * rows)))
             cells = self._cells(pool, per_cell)
-            lines += [Text(f"{pool.name if i == 0 else '':<6}{i * per_cell:>5} ") + cells[i:i + n]
-                      for i in range(0, len(cells), n)]   # each row led by its first block's id
+            for i in range(0, len(cells), n):   # each row led by its first block's id
+                name = pool.name if i == 0 else ""
+                lines.append(Text(f"{name:<6}{i * per_cell:>5} ") + cells[i:i + n])
             if per_cell > 1:
                 folds.append(f"{pool.name}: {per_cell} blocks a cell")
         key = ["digit: ref_count in its request's colour", "white: several", "bold: shared",
                "+: 10 or more", "·: cached", ".: free", "table: *: shared, (+k): k more",
                "host[...]: in the host pool"]
-        key += ["~: in flight (its copy not made yet)"] if self.llm.copy_engine else []
+        if self.llm.copy_engine:
+            key.append("~: in flight (its copy not made yet)")
         if folds:
             key += folds + ["█ all used, ▒ some used, · some cached, . all free"]
         return lines + phrases(key, width, "dim")
 
-    def sequences(self, width):   # a row per live sequence: K/V, table, text
+    def sequences(self, width):
+        """A row per live sequence: K/V, table, text."""
         bm, sched = self.llm.block_manager, self.llm.scheduler
         rows = [(r, s) for r in [*sched.running, *sched.swapped, *sched.waiting] for s in r.seqs]
         # under scheduling_policy="priority", each request's priority: effective (as given)
         ranked = isinstance(sched, PriorityScheduler)
-        header = f"{'seq':>5} {'req':>4}{'  priority' * ranked}  {'state':<8} {'K':>4}/{'V':<4}  "
+        priority = "  priority" if ranked else ""
+        header = f"{'seq':>5} {'req':>4}{priority}  {'state':<8} {'K':>4}/{'V':<4}  "
         lines = [Text(f"{header}{'block table':<26} text", "bold")]
         for request, seq in rows:
             pool = bm.host if request.status is RequestStatus.SWAPPED else bm.device
             where = "" if pool is bm.device else pool.name   # a table into the host: host[...]
             table = where + table_text(pool.blocks, seq.block_table, 26 - len(where))
-            line = Text(f"{seq.seq_id:>5} {seq.request_id:>4}", HOLDER_COLOURS[seq.request_id % 8])
+            colour = HOLDER_COLOURS[seq.request_id % 8]
+            line = Text(f"{seq.seq_id:>5} {seq.request_id:>4}", colour)
             if ranked:
                 line.append(f"  {sched.rank(request)[0]:>3} ({request.priority:>2})")
-            # loading: its blocks in flight (section 8)
-            loading = self.llm.copy_engine and self.llm.copy_engine.loading(request)
-            state = "loading" if loading else request.status.value
-            line.append(f"  {state:<8} {seq.num_written_tokens:>4}/{len(seq):<4}  {table:<26} ")
+            state = request.status.value
+            # loading: its blocks in flight (section 9)
+            if self.llm.copy_engine and self.llm.copy_engine.loading(request):
+                state = "loading"
+            kv = f"{seq.num_written_tokens:>4}/{len(seq):<4}"
+            line.append(f"  {state:<8} {kv}  {table:<26} ")
             room = max(0, width - len(line))
             tail = seq.token_ids[-room:] if room else []
-            line.append(printable(self.llm._detokenize(tail) or " ".join(map(str, tail)))[-room:])
+            text = self.llm._detokenize(tail) or " ".join(map(str, tail))
+            line.append(printable(text)[-room:])
             lines.append(line)
         return lines
 
 # ----------------------------------------------------------------------------------------------
-# 13. Command line: demos that provoke each mechanism, watched live or traced
+# 14. Command line: demos that provoke each mechanism, watched live or traced
 
 SYSTEM = "You are a helpful assistant. Answer in one short sentence.\n"
 QUESTIONS = ["What is a cache?", "Why is the sky blue?", "What is a prime number?",
@@ -2073,36 +2709,49 @@ DEMOS = {   # name: what it shows
     "prefix": "a system prompt computed once, found by later requests (one word changed: none)",
     "fork": "n=4 samples share their prompt's blocks; the last block is copied on write",
     "beam": "beam search, width 3: beams fork and die on shared blocks",
-    "preempt": "five requests, a small pool: swapped out, or recomputed when host blocks run short",
+    "preempt": "five requests, a small pool: swapped out, or recomputed when host blocks run "
+               "short",
     "evict": "finished requests' blocks stay cached until new prompts evict them, oldest first",
     "batching": "continuous batching: requests arrive while others decode and join their steps",
-    "chunked": "chunked prefill: a long prompt computed over steps, 8 tokens a step with a decode",
+    "chunked": "chunked prefill: a long prompt computed over steps, 8 tokens a step with a "
+               "decode",
     "watermark": "a request that would fit waits: it would leave no block for the next decode",
-    "tiers": "two questions come back: their blocks, written down to host and disk, load back up",
+    "tiers": "two questions come back: their blocks, written down to host and disk, load back "
+             "up",
     "overlap": "the tiers demo over slow links, copies in the background: others run meanwhile",
     "priority": "a long request of priority 1 among short ones of 0: it waits, aging lets it in",
 }
 # each demo's pool, of 4-token blocks: small enough for a screen to show every block
-DEMO_POOLS = {"mix": dict(num_blocks=24, num_cpu_blocks=12, preemption_mode="swap"),
-              "preempt": dict(num_blocks=36, num_cpu_blocks=14, preemption_mode="swap"),
-              "chunked": dict(num_blocks=48, max_num_batched_tokens=8), "fork": dict(num_blocks=48),
-              "evict": dict(num_blocks=12), "watermark": dict(num_blocks=100),   # a watermark of 1
-              "tiers": dict(num_blocks=20, num_cpu_blocks=4, num_disk_blocks=12),
-              **{name: dict(num_blocks=64) for name in ("prefix", "beam", "batching")}}
+DEMO_POOLS = {
+    "mix": dict(num_blocks=24, num_cpu_blocks=12, preemption_mode="swap"),
+    "preempt": dict(num_blocks=36, num_cpu_blocks=14, preemption_mode="swap"),
+    "chunked": dict(num_blocks=48, max_num_batched_tokens=8),
+    "fork": dict(num_blocks=48),
+    "evict": dict(num_blocks=12),
+    "watermark": dict(num_blocks=100),   # a watermark of 1 block
+    "tiers": dict(num_blocks=20, num_cpu_blocks=4, num_disk_blocks=12),
+    "prefix": dict(num_blocks=64),
+    "beam": dict(num_blocks=64),
+    "batching": dict(num_blocks=64),
+    "priority": dict(num_blocks=16, scheduling_policy="priority", priority_aging_steps=3),
+}
 # links of 5 and 2 MB/s: a 4-token block of the default model (184 KB) takes about a step's time
 # to move on a CPU, as 2,000 tokens of history over PCIe and NVMe take on a GPU server
 DEMO_POOLS["overlap"] = dict(DEMO_POOLS["tiers"], async_copies=True,
                              tier_gbps={"host": 0.005, "disk": 0.002})
-DEMO_POOLS["priority"] = dict(num_blocks=16, scheduling_policy="priority", priority_aging_steps=3)
+
 
 def demo_arrivals(name, llm):
     """A demo's requests to llm, [(step, prompts, params[, priority])]: each queued once the
     engine has run `step` steps (an idle engine skips ahead to the next): a trace repeats."""
 
-    def text(s, length=None):   # token ids (random weights: a made-up id a word), to length
-        if isinstance(s, str):
+    def text(s, length=None):
+        """Token ids (random weights: a made-up id a word), cut or repeated to length."""
+        if isinstance(s, str) and llm.tokenizer is not None:
+            s = tokenize(llm, s)
+        elif isinstance(s, str):
             vocab = llm.model.config.vocab_size
-            s = tokenize(llm, s) if llm.tokenizer else [sum(w.encode()) % vocab for w in s.split()]
+            s = [sum(w.encode()) % vocab for w in s.split()]
         return (s * length)[:length] if length else s
 
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -2111,8 +2760,14 @@ def demo_arrivals(name, llm):
     pair = SamplingParams(temperature=0.8, n=2, max_tokens=24, ignore_eos=True, seed=1)
     beams = BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True)
     ask = [text(SYSTEM + q) for q in QUESTIONS]
-    friendly = text(SYSTEM.replace("helpful", "friendly") + QUESTIONS[0])   # block 0 differs
-    return {
+    # block 0 differs
+    friendly = text(SYSTEM.replace("helpful", "friendly") + QUESTIONS[0])
+    every_question = text(SYSTEM + " ".join(QUESTIONS))
+    # tiers: two 28-token questions, three requests that push their blocks down, the two again
+    back = [text(q, 28) + text(" Say more.") for q in ask[:2]]
+    # priority: a long request of priority 1, then short ones of priority 0, one every 3 steps
+    short = [(3 * i, [text(q)], greedy, [0]) for i, q in enumerate(QUESTIONS * 4)]
+    arrivals = {
         "mix": [(0, ask[:1], samples), (10, ask[1:4], longer), (10, ask[4:], pair),
                 (60, [text(QUESTIONS[0])], beams)],
         "prefix": [(0, ask[:1], greedy), (12, ask[1:3] + [friendly], greedy)],
@@ -2121,25 +2776,29 @@ def demo_arrivals(name, llm):
         "preempt": [(0, ask, longer)],
         "evict": [(12 * i, [prompt], greedy) for i, prompt in enumerate(ask[:4] + ask[3:4])],
         "batching": [(3 * i, [prompt], greedy) for i, prompt in enumerate(ask[:4])],
-        "chunked": [(0, ask[:1], longer), (2, [text(SYSTEM + " ".join(QUESTIONS))], greedy)],
+        "chunked": [(0, ask[:1], longer), (2, [every_question], greedy)],
         # 200 tokens (50 blocks), then 196 (49): at step 2 the first has taken its 51st block
         "watermark": [(0, [text(ask[0], 200)], greedy), (1, [text(QUESTIONS[1], 196)], greedy)],
-        # two 28-token questions, three requests that push their blocks down, the two again
         "tiers": [(0, [text(q, 28) for q in ask[:2]], greedy), (12, ask[2:], greedy),
-                  (24, [text(q, 28) + text(" Say more.") for q in ask[:2]], greedy)],
-        # a long request of priority 1, then short ones of priority 0, one every 3 steps
-        "priority": [(0, ask[:1], longer, [1])] + [(3 * i, [text(q)], greedy, [0])
-                                                   for i, q in enumerate(QUESTIONS * 4)],
-    }[name.replace("overlap", "tiers")]
+                  (24, back, greedy)],
+        "priority": [(0, ask[:1], longer, [1])] + short,
+    }
+    return arrivals[name.replace("overlap", "tiers")]
 
-def demo_pool(name, block_size):   # DEMO_POOLS counts 4-token blocks: smaller ones get more
+
+def demo_pool(name, block_size):
+    """A demo's pool: DEMO_POOLS counts 4-token blocks, smaller ones get more."""
     scale = max(1, 4 // max(1, block_size))   # a block_size < 1 is refused by check_args
-    pool = {k: v * scale if k.startswith("num_") else v for k, v in DEMO_POOLS[name].items()}
-    return {"async_copies": False, **pool}   # blocking but in overlap: each trace repeats exactly
+    pool = {}
+    for knob, value in DEMO_POOLS[name].items():
+        pool[knob] = value * scale if knob.startswith("num_") else value
+    # blocking copies but in overlap: each trace repeats exactly
+    return {"async_copies": False, **pool}
+
 
 def run_arrivals(llm, arrivals):
-    """Queue each arrival (step, prompts, params[, priority]) once the engine has run `step` steps
-    (an idle engine skips ahead to it), and step until all are done: their request ids."""
+    """Queue each arrival (step, prompts, params[, priority]) once the engine has run `step`
+    steps (an idle engine skips ahead to it), and step until all are done: their request ids."""
     request_ids = []
     for step, prompts, params, *priority in arrivals:
         while llm.num_steps < step and llm.scheduler.has_unfinished():
@@ -2149,26 +2808,35 @@ def run_arrivals(llm, arrivals):
         llm.step()
     return request_ids
 
+
 def run_demo(llm, name, live=False, trace=False, delay=0.0):
     """Run a demo (every request checked first), print its outputs; return its seconds."""
     arrivals = demo_arrivals(name, llm)
     for _, prompts, params, *priority in arrivals:
         checked_requests(llm, prompts, params, type(params), *priority)
     t0 = time.perf_counter()
-    with View(llm, live, None, delay) if live or trace else contextlib.nullcontext():
+    view = View(llm, live, None, delay) if live or trace else contextlib.nullcontext()
+    with view:
         request_ids = run_arrivals(llm, arrivals)
-    for out in map(llm.output, request_ids):
-        beams = isinstance(out, BeamSearchOutput)
-        for c in out.sequences if beams else out.outputs:
-            how = f"score {c.score:.3f}" if beams else c.finish_reason
-            print(f"[{out.request_id}] {c.text or c.token_ids!r}  ({how})")
+    for request_id in request_ids:
+        out = llm.output(request_id)
+        if isinstance(out, BeamSearchOutput):
+            for c in out.sequences:
+                print(f"[{out.request_id}] {c.text or c.token_ids!r}  (score {c.score:.3f})")
+        else:
+            for c in out.outputs:
+                print(f"[{out.request_id}] {c.text or c.token_ids!r}  ({c.finish_reason})")
     return time.perf_counter() - t0
 
-class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message):   # bad input on the command line: one line, exit status 2
-        self.exit(2, f"{self.prog}: error: {message}\n")   # (argparse's own prints its usage first)
 
-if __name__ == "__main__":
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):
+        """Bad input on the command line: one line, exit status 2 (argparse's own prints its
+        usage first)."""
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parse_args():
     p = ArgumentParser(
         description="nanopaged: run a demo through a paged KV cache and watch its blocks",
         epilog="demos: " + "; ".join(f"{name}: {what}" for name, what in DEMOS.items()))
@@ -2177,8 +2845,9 @@ if __name__ == "__main__":
     p.add_argument("--trace", action="store_true", help="print a plain snapshot every step")
     p.add_argument("--delay", type=float, default=0.0,
                    help="seconds (at most 60) to pause after each step, and per event it shows")
+    # the knobs of LLM (EngineArgs, by their names): given, over the demo's pool
     p.add_argument("--model", help="None: SmolLM2-135M-Instruct; a directory; random:<preset>")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--block-size", type=int, default=4, help="tokens per KV cache block")
     p.add_argument("--num-blocks", type=int, help="blocks in the pool (default: the demo's)")
     p.add_argument("--num-cpu-blocks", type=int, help="blocks in the host pool (swap, offload)")
@@ -2188,40 +2857,57 @@ if __name__ == "__main__":
     p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], help="auto: the model's dtype")
     p.add_argument("--offload-kv-cache-dtype", choices=["auto", "int8"], help="host's, disk's")
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], help="default: fcfs")
-    p.add_argument("--priority-aging-steps", type=int, help="a level better every K steps waited")
+    p.add_argument("--priority-aging-steps", type=int,
+                   help="a level better every K steps waited")
     p.add_argument("--no-prefix-caching", action="store_false", dest="enable_prefix_caching",
                    help="turn the prefix cache off")
     p.add_argument("--max-num-batched-tokens", type=int, help="tokens a step computes at most")
     p.add_argument("--max-num-seqs", type=int, help="sequences running at once, at most")
-    p.add_argument("--host-gbps", type=float, help="emulate a host link of this many GB/s")
-    p.add_argument("--disk-gbps", type=float, help="emulate a disk link of this many GB/s")
     p.add_argument("--watermark-blocks", type=int,
                    help="blocks a new prompt leaves free for decodes (default: 1%% of the pool)")
-    args = p.parse_args()
-    # the flags the command line keeps; every other one given goes to LLM by its name (the dest
-    # argparse gives it), over the demo's pool
-    own = ("demo", "live", "trace", "delay", "watermark_blocks", "host_gbps", "disk_gbps")
-    given = {k: v for k, v in vars(args).items() if k not in own and v is not None}
-    pool = demo_pool(args.demo, args.block_size)
-    # --host-gbps, --disk-gbps: tier_gbps, over the demo's links
+    # tier_gbps, over the demo's links
+    p.add_argument("--host-gbps", type=float, help="emulate a host link of this many GB/s")
+    p.add_argument("--disk-gbps", type=float, help="emulate a disk link of this many GB/s")
+    return p, p.parse_args()
+
+
+def engine_knobs(args):
+    """The knobs the command line gives LLM: the demo's pool, then each flag given (None: not)."""
+    knobs = demo_pool(args.demo, args.block_size)
+    for f in dataclasses.fields(EngineArgs):
+        value = getattr(args, f.name, None)
+        if value is not None:
+            knobs[f.name] = value
     links = {"host": args.host_gbps, "disk": args.disk_gbps}
     links = {tier: gbps for tier, gbps in links.items() if gbps is not None}
     if links:
-        given["tier_gbps"] = {**pool.get("tier_gbps", {}), **links}
-    try:   # bad input, ours as the engine's: a ValueError, told in one line before anything runs
+        knobs["tier_gbps"] = {**knobs.get("tier_gbps", {}), **links}
+    return knobs
+
+
+def main():
+    p, args = parse_args()
+    # bad input, ours as the engine's: a ValueError, told in one line before anything runs
+    try:
         require(0 <= args.delay <= 60, "--delay must be in [0, 60] seconds")   # as --help says
         require(args.live or args.trace or not args.delay, "--delay needs --live or --trace")
-        require((args.watermark_blocks or 0) >= 0, "--watermark-blocks must be >= 0")   # or None
-        llm = LLM(**dict(pool, **given))
-        if args.watermark_blocks is not None:   # (Scheduler's watermark: a fraction of the pool)
-            llm.scheduler.watermark_blocks = args.watermark_blocks
+        llm = LLM(**engine_knobs(args))
         seconds = run_demo(llm, args.demo, args.live, args.trace, args.delay)
     except ValueError as e:   # bad input: nothing ran
         p.error(str(e))
-    except KeyboardInterrupt:   # Ctrl-C: the view has given the terminal back, its last frame
-        p.exit(130, "interrupted\n")   # (or the trace's last step) above; 130: 128 + SIGINT
+    except KeyboardInterrupt:
+        # Ctrl-C: the view has given the terminal back, its last frame (or the trace's last
+        # step) above; 130: 128 + SIGINT
+        p.exit(130, "interrupted\n")
     for k, v in llm.stats().items():
-        if not (args.trace and k.endswith("_seconds")):   # a trace repeats exactly: no timings
-            print(f"{k:28} {v:.3f}" if isinstance(v, float) else f"{k:28} {v}")
+        # a trace repeats exactly: no timings
+        if args.trace and k.endswith("_seconds"):
+            continue
+        print(f"{k:28} {v:.3f}" if isinstance(v, float) else f"{k:28} {v}")
     if not args.trace:   # a trace repeats exactly: it prints no timings
-        print(f"{llm.num_generated_tokens / seconds:.1f} tokens/s generated in {seconds:.1f} s")
+        rate = llm.num_generated_tokens / seconds
+        print(f"{rate:.1f} tokens/s generated in {seconds:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

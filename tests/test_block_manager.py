@@ -44,12 +44,12 @@ def free_all(bm, *seqs):
 def test_allocate_and_free_basics():
     """A 40-token sequence at block_size 16 takes 3 blocks from the front of an O(1) pool; free returns them."""
     bm = BlockManager(8, 16)
-    assert isinstance(bm.device.free_block_ids, deque)   # popleft/append: O(1) allocate and free
+    assert isinstance(bm.device.empty_block_ids, deque)   # popleft/append: O(1) allocate and free
     seq = alloc(bm, Sequence(toks(0, 40)))
     assert seq.block_table == [0, 1, 2]
     assert bm.num_free_blocks == 5 and [bm.device.blocks[i].ref_count for i in range(4)] == [1, 1, 1, 0]
     free_all(bm, seq)
-    assert seq.block_table == [] and list(bm.device.free_block_ids) == [3, 4, 5, 6, 7, 2, 1, 0]   # tail first
+    assert seq.block_table == [] and list(bm.device.empty_block_ids) == [3, 4, 5, 6, 7, 2, 1, 0]   # tail first
     assert not bm.device.cached_block_ids   # never registered, so nothing to keep
 
 
@@ -141,7 +141,7 @@ def test_eviction_keeps_cached_blocks_and_evicts_least_recently_freed():
     bm.check_invariants()
     bm.free(b)
     bm.check_invariants()
-    assert list(bm.device.cached_block_ids) == [1, 0, 3, 2] and list(bm.device.free_block_ids) == [4, 5]
+    assert list(bm.device.cached_block_ids) == [1, 0, 3, 2] and list(bm.device.empty_block_ids) == [4, 5]
     assert bm.num_free_blocks == 6 and len(bm.device.hash_to_block_ids) == 4
     f1 = alloc(bm, Sequence(toks(300, 12)))    # truly free blocks first, then a's tail
     assert f1.block_table == [4, 5, 1] and bm.counts["num_evictions"] == 1
@@ -237,7 +237,7 @@ def test_prefix_caching_disabled_registers_and_hits_nothing():
     assert bm.device.hash_to_block_ids == {} and all(blk.hash is None for blk in bm.device.blocks)
     assert (bm.counts["prefix_cache_queries"], bm.counts["prefix_cache_hits"]) == (0, 0)
     free_all(bm, a, b)
-    assert not bm.device.cached_block_ids and len(bm.device.free_block_ids) == 10
+    assert not bm.device.cached_block_ids and len(bm.device.empty_block_ids) == 10
 
 
 @pytest.mark.parametrize("block_size", [0, 3, 12, -4])
@@ -259,10 +259,10 @@ def test_check_invariants_names_the_broken_rule(rule):
             bm.check_invariants()
         block.ref_count -= 1
     elif rule == "partition":                     # a used block also in the free pool
-        bm.device.free_block_ids.append(block.block_id)
+        bm.device.empty_block_ids.append(block.block_id)
         with pytest.raises(AssertionError, match="partition"):
             bm.check_invariants()
-        bm.device.free_block_ids.pop()
+        bm.device.empty_block_ids.pop()
     else:                                         # a registered block's tokens no longer hash to its key
         saved, block.token_ids = block.token_ids, (7, 7, 7, 7)
         with pytest.raises(AssertionError, match="hash map"):

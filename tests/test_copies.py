@@ -22,7 +22,7 @@ def recording(engine):
     engine.queued, submit = [], engine.worker.submit
 
     def queue(fn, *args):
-        if fn == engine.make:   # (links, copy, ready)
+        if fn == engine.make:   # (copier, copy, ready)
             engine.queued.append(args[1])
         return submit(fn, *args)
 
@@ -55,7 +55,7 @@ class GatedLinks:
 
 
 class Holder:
-    """What CopyEngine reads of an LLM: device, links; start() reads block_manager and events."""
+    """What CopyEngine reads of an LLM: device, copier; start() reads block_manager and events."""
 
 
 class Request:   # what start() reads of a request: its sequences
@@ -69,16 +69,16 @@ class CopyEngineMachine(BlockManagerMachine):
 
     def __init__(self):
         super().__init__()
-        self.links = GatedLinks(self.kv)
+        self.copier = GatedLinks(self.kv)
         self.holder = Holder()
-        self.holder.device, self.holder.links = torch.device("cpu"), self.links
+        self.holder.device, self.holder.copier = torch.device("cpu"), self.copier
         self.holder.block_manager, self.holder.events = self.bm, self.bm.events
         self.engine = recording(CopyEngine(self.holder))
 
     def pending(self, tier, reads=True):
         """Blocks of tier a queued copy writes (or reads) and has not yet: the truth, not the
         engine's bookkeeping."""
-        queued = Counter(self.engine.queued) - Counter(self.links.made)
+        queued = Counter(self.engine.queued) - Counter(self.copier.made)
         return {b for src, s, dst, d in queued for pool, b in ((src, s if reads else -1), (dst, d))
                 if pool.name == tier}
 
@@ -110,7 +110,7 @@ class CopyEngineMachine(BlockManagerMachine):
 
     @rule(open_gate=st.booleans())
     def the_link_changes_pace(self, open_gate):
-        (self.links.gate.set if open_gate else self.links.gate.clear)()
+        (self.copier.gate.set if open_gate else self.copier.gate.clear)()
 
     @rule()
     def every_copy_finishes(self):
@@ -197,23 +197,23 @@ def test_a_request_runs_while_its_full_blocks_are_written_through_and_their_evic
     are dropped, their copies found below; nothing is written down a second time."""
     bm = nanopaged.BlockManager(4, BLOCK_SIZE, num_cpu_blocks=4, events=nanopaged.EventLog())
     holder = Holder()
-    holder.device, holder.links = torch.device("cpu"), OrderedLinks()   # the link held
+    holder.device, holder.copier = torch.device("cpu"), OrderedLinks()   # the link held
     holder.block_manager, holder.events = bm, bm.events
     engine = CopyEngine(holder)
     seq = nanopaged.Sequence(list(range(2 * BLOCK_SIZE + 1)))
     bm.allocate(seq)
     seq.num_computed_tokens = len(seq)
     bm.cache_full_blocks(seq)   # blocks 0 and 1 full and registered, 2 holds the last token
-    opener = threading.Timer(10, holder.links.gate.set)   # (if start() waited: not forever)
+    opener = threading.Timer(10, holder.copier.gate.set)   # (if start() waited: not forever)
     opener.start()
     ran = engine.start(holder, ScheduledBatch(10**6, [ScheduledSeq(Request([seq]), seq, 1)]))
     assert [e.seq for e in ran.entries] == [seq]   # not held back: its blocks are only read
     assert bm.copies == deque() and len(engine.started) == 2, "the step waited for the copies"
     full = seq.block_table[:2]
     opener.cancel()
-    holder.links.gate.set()
+    holder.copier.gate.set()
     all_made(engine)
-    assert [(src.name, b, dst.name) for src, b, dst, _ in holder.links.made] == [
+    assert [(src.name, b, dst.name) for src, b, dst, _ in holder.copier.made] == [
         ("device", full[0], "host"), ("device", full[1], "host")]
     bm.free(seq)
     other = nanopaged.Sequence(list(range(100, 100 + 4 * BLOCK_SIZE - 1)))
@@ -232,7 +232,7 @@ def test_a_swap_out_reading_a_block_does_not_hide_its_load_still_in_flight():
     read comes last on the block, but the write before it is not made); a bystander runs."""
     bm = nanopaged.BlockManager(8, BLOCK_SIZE, num_cpu_blocks=8, events=nanopaged.EventLog())
     holder = Holder()
-    holder.device, holder.links = torch.device("cpu"), OrderedLinks()   # the link held
+    holder.device, holder.copier = torch.device("cpu"), OrderedLinks()   # the link held
     holder.block_manager, holder.events = bm, bm.events
     engine = CopyEngine(holder)
     b, bystander = (nanopaged.Sequence([1] * BLOCK_SIZE) for _ in range(2))
@@ -247,7 +247,7 @@ def test_a_swap_out_reading_a_block_does_not_hide_its_load_still_in_flight():
     assert step(bystander, b) == [bystander]
     bm.copies.append((bm.device, 0, bm.host, 4))   # another holder of block 0 swapped out
     assert step(bystander, b) == [bystander], "b ran on a block still arriving"
-    holder.links.gate.set()
+    holder.copier.gate.set()
     all_made(engine)
     assert step(bystander, b) == [bystander, b]
     engine.worker.shutdown()
@@ -292,7 +292,7 @@ def test_a_slow_link_holds_each_copy_and_the_cost_rule_reads_it():
     nothing is written down to the disk or loaded from it; the host's 10 MB/s is worth it."""
     llm = checked(LLM("random:tiny", block_size=4, num_blocks=12, num_cpu_blocks=4,
                       num_disk_blocks=16, tier_gbps={"host": 0.01, "disk": 1e-6}))
-    bytes_per_block = llm.links.bytes_per_block["device"]   # (every tier float32 here)
+    bytes_per_block = llm.copier.bytes_per_block["device"]   # (every tier float32 here)
     cost = llm.block_manager.cost
     assert cost.seconds_per_block["host"] >= bytes_per_block / 1e7   # 0.01 GB/s: 0.2 ms a block
     assert cost.seconds_per_block["disk"] >= bytes_per_block / 1e3

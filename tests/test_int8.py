@@ -144,12 +144,12 @@ def test_int8_tiers_below_a_float_device_store_and_load_each_block_quantized():
     link are the INT8 block's."""
     llm = checked(LLM("random:tiny", block_size=4, num_blocks=16, num_cpu_blocks=4,
                       num_disk_blocks=32, offload_kv_cache_dtype="int8", async_copies=False))
-    caches, sizes = llm.kv_caches, llm.links.bytes_per_block
+    caches, sizes = llm.kv_caches, llm.copier.bytes_per_block
     assert caches["device"].dtype == torch.float32
     assert caches["host"].dtype == caches["disk"].dtype == torch.int8
     assert sizes["device"] == 2 * 2 * 4 * 2 * 16 * 4 and sizes["host"] == sizes["disk"] == 2 * 2 * 4 * 2 * 20
     writes, loads = [], []
-    copy = llm.links.copy
+    copy = llm.copier.copy
 
     def watched(src_tier, src, dst_tier, dst):
         before = caches[src_tier.name][:, :, src].clone()
@@ -157,7 +157,7 @@ def test_int8_tiers_below_a_float_device_store_and_load_each_block_quantized():
         after = caches[dst_tier.name][:, :, dst].clone()
         (writes if src_tier.name == "device" else loads).append((src_tier.name, before, after))
 
-    llm.links.copy = watched
+    llm.copier.copy = watched
     for turn in range(2):
         llm.generate(prompts(4), GREEDY)
     assert writes and any(name != "device" for name, _, _ in loads)

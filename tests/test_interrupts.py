@@ -389,7 +389,7 @@ LONG = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
 def interrupt_as_the_first_copy_goes(llm, sigints=1, after=0.2):
     """SIGINTs (from a timer) `after` seconds into the first copy over a link; returns the list
     that will hold the moment they are sent."""
-    copy, sent = llm.links.copy, []
+    copy, sent = llm.copier.copy, []
 
     def first_copy_interrupted(*args):
         if not sent:
@@ -398,7 +398,7 @@ def interrupt_as_the_first_copy_goes(llm, sigints=1, after=0.2):
                 threading.Timer(after, os.kill, (os.getpid(), signal.SIGINT)).start()
         return copy(*args)
 
-    llm.links.copy = first_copy_interrupted
+    llm.copier.copy = first_copy_interrupted
     return sent
 
 
@@ -458,11 +458,11 @@ def test_a_second_and_a_third_ctrl_c_wait_for_the_recovery(monkeypatch):
     sent = interrupt_as_the_first_copy_goes(llm)
     give_up, seen = llm.copy_engine.give_up, []
 
-    def interrupted_twice(links):   # the undo's give-up, while the first SIGINT is handled
+    def interrupted_twice(copier):   # the undo's give-up, while the first SIGINT is handled
         seen.append(len(SIGINTS))
         os.kill(os.getpid(), signal.SIGINT)
         os.kill(os.getpid(), signal.SIGINT)
-        return give_up(links)
+        return give_up(copier)
 
     monkeypatch.setattr(llm.copy_engine, "give_up", interrupted_twice)
     SIGINTS.clear()

@@ -274,20 +274,20 @@ def test_a_failed_step_leaves_the_other_requests_exact():
     want = [c.token_ids for c in LLM("random:tiny", **kwargs).generate([other], params)[0].outputs]
     llm = LLM("random:tiny", **kwargs)
     [other_id] = llm.add_requests([other], params)
-    copy_blocks = llm.copy_blocks
+    start_copies = llm.copy_engine.start   # (async_copies, the default: the step's copies)
     calls = []
 
-    def failing_copy_blocks(batch):   # the third step fails before its copies are made
+    def failing_start(llm, batch):   # the third step fails before its copies are made
         calls.append(list(llm.block_manager.copies))
         if len(calls) == 3:
             raise KeyboardInterrupt
-        return copy_blocks(batch)
+        return start_copies(llm, batch)
 
-    llm.copy_blocks = failing_copy_blocks
+    llm.copy_engine.start = failing_start
     with pytest.raises(KeyboardInterrupt):
         llm.generate([[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 1, 2]], params)
     assert any(src.name == dst.name == "device" for src, _, dst, _ in calls[2])   # a copy-on-write was left undone
-    llm.copy_blocks = copy_blocks
+    llm.copy_engine.start = start_copies
     while llm.scheduler.has_unfinished():
         llm.step()
         llm.block_manager.check_invariants()

@@ -77,12 +77,16 @@ def tier_hits(bm):
 # The BlockManager by hand: write-downs, drops, loads, swap-out, the cost rule, collisions
 
 
+def prefix_entry(block):   # what the prefix cache knows of a block; a copy takes it along
+    return block.hash, block.token_ids, block.prefix_id, block.parent_prefix_id, block.hits
+
+
 def test_device_eviction_writes_the_block_down_to_host():
     """Evicting a cached device block queues its copy to a host block registered as the same
     prefix (hash, tokens), and leaves the device block unregistered."""
     bm = BlockManager(1, BS, num_cpu_blocks=1, num_disk_blocks=1)
     cached(bm, toks(0, 4))                            # device block 0: tokens 0-3, cached
-    entry = bm.device.blocks[0].entry
+    entry = prefix_entry(bm.device.blocks[0])
     assert entry[0] == BlockManager.compute_hash(None, (0, 1, 2, 3))
     forget(bm)
     b = alloc(bm, Sequence(toks(100, 4)))             # no free block: block 0 is evicted
@@ -90,7 +94,7 @@ def test_device_eviction_writes_the_block_down_to_host():
     assert taken(bm) == [("device", 0, "host", 0)]
     assert events(bm) == [("write down", (0,), (0,), "host", "device")]
     host = bm.host.blocks[0]
-    assert host.entry == entry and host.token_ids == (0, 1, 2, 3) and host.ref_count == 0
+    assert prefix_entry(host) == entry and host.token_ids == (0, 1, 2, 3) and host.ref_count == 0
     assert list(bm.host.cached_block_ids) == [0]
     assert bm.host.hash_to_block_ids == {entry[0]: {0: None}}
     assert bm.device.blocks[0].hash is None and bm.device.blocks[0].token_ids == ()
@@ -98,7 +102,7 @@ def test_device_eviction_writes_the_block_down_to_host():
     assert (bm.counts["num_offloaded_blocks"], bm.counts["num_evictions"]) == (1, 0)
     bm.free(b)                                        # b computed nothing: its block is free
     bm.check_invariants()
-    assert list(bm.device.free_block_ids) == [0] and not bm.device.cached_block_ids
+    assert list(bm.device.empty_block_ids) == [0] and not bm.device.cached_block_ids
     assert where_is(bm, toks(0, 4)) == [("host", 0)]
 
 
@@ -410,7 +414,7 @@ def test_a_bad_tier_on_the_command_line_is_one_line_and_exit_status_2(argv):
 
 class Tripwire(dict):
     """llm.kv_caches that raises KeyboardInterrupt (as a Ctrl-C would) at its `left`-th look-up
-    once armed: copy_blocks looks up two caches per copy, before the copy is made."""
+    once armed: a copy looks up two caches, before it is made."""
     left = None
 
     def __getitem__(self, tier):
@@ -435,18 +439,32 @@ def test_ctrl_c_between_copies_of_loads_and_write_downs_leaves_the_engine_whole(
 
     want, _ = chat(engine())
     llm = engine()
-    llm.links.kv_caches = Tripwire(llm.links.kv_caches)
-    copy_blocks, seen = llm.copy_blocks, []
+    llm.copier.kv_caches = Tripwire(llm.copier.kv_caches)
+    seen = []
 
-    def copy_blocks_tripped(batch):   # armed once: the first step that loads and writes down
+    def arm():   # armed once: the first step that loads and writes down
         copies = llm.block_manager.copies
         kinds = {(src.name == "device", dst.name == "device") for src, _, dst, _ in copies}
         if not seen and {(False, True), (True, False)} <= kinds:
             seen.append(list(llm.block_manager.copies))
-            llm.links.kv_caches.left = len(seen[0]) + 1   # in the middle: half the copies made
-        return copy_blocks(batch)
+            llm.copier.kv_caches.left = len(seen[0]) + 1   # in the middle: half the copies made
 
-    llm.copy_blocks = copy_blocks_tripped
+    if async_copies:   # the step's copies start in the background
+        start = llm.copy_engine.start
+
+        def start_tripped(llm, batch):
+            arm()
+            return start(llm, batch)
+
+        llm.copy_engine.start = start_tripped
+    else:   # the step's copies are made at once
+        copy_blocks = llm.copy_blocks
+
+        def copy_blocks_tripped():
+            arm()
+            copy_blocks()
+
+        llm.copy_blocks = copy_blocks_tripped
     with pytest.raises((KeyboardInterrupt, RuntimeError) if async_copies else KeyboardInterrupt):
         chat(llm)
     assert seen and len(seen[0]) >= 2   # one copy made, the next not

@@ -52,7 +52,7 @@ def check_frame(text, llm, report):
     header = []   # the K/V dtype and bytes of a block: the device's, then each tier's unlike it
     while not lines[0].startswith("step "):
         header.append(lines.pop(0).strip())
-    caches, sizes = llm.kv_caches, llm.links.bytes_per_block
+    caches, sizes = llm.kv_caches, llm.copier.bytes_per_block
     tiers = [t for t in ("device", "host", "disk")
              if t == "device" or caches[t].dtype != caches["device"].dtype]
     assert " ".join(header) == "KV cache: " + " | ".join(
@@ -311,11 +311,11 @@ def test_the_trace_tells_loads_and_write_downs_in_the_order_their_copies_are_mad
     for name in ("tiers", "mix", "preempt"):
         llm = checked(LLM("random:tiny", block_size=4, **demo_pool(name, 4)))
         queued, told = [], []
-        make_copies = llm.copy_blocks
+        make_copies = llm.copy_blocks   # (the demos copy blocking)
 
-        def copy_blocks(batch):   # the step's queue, as the engine makes it
+        def copy_blocks():   # the step's queue, as the engine makes it
             queued.append([(a.name, b, c.name, d) for a, b, c, d in llm.block_manager.copies])
-            return make_copies(batch)
+            make_copies()
 
         def tell(report):
             told.append([(e.tier.name, e.block_ids[0], e.to_tier.name,
