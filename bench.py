@@ -6,16 +6,16 @@ bench.py: the claims of paging, measured on this machine beside baselines, in si
     python bench.py --quick            smaller workloads, a few minutes (what fresh-check runs)
     python bench.py --only prefix      one experiment; --json FILE writes every figure
 """
+import inspect
 import json
 import platform
 import random
 import time
-import timeit
-from statistics import fmean as mean
+from statistics import fmean
 
 import torch
 from rich.console import Console
-from rich.table import Column, Table
+from rich.table import Table
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 import nanopaged
@@ -23,33 +23,11 @@ from model import load_hf
 from nanopaged import LLM, SamplingParams, run_arrivals
 
 console = Console(highlight=False)
-results = {}   # experiment -> its figures, for --json
-
-
-def report(name, title, columns, rows, conclusion):
-    """Print an experiment's table and conclusion; keep its figures for --json."""
-    # The first column names a row; the others hold figures.
-    figures = [Column(c, justify="right") for c in columns[1:]]
-    table = Table(columns[0], *figures,
-                  title=f"{name}: {title}",
-                  title_justify="left")
-    for row in rows:
-        cells = [f"{x:.2f}" if isinstance(x, float) else str(x) for x in row]
-        table.add_row(*cells)
-    console.print(table, conclusion + "\n", style="bold")
-    results[name] = {"columns": columns,
-                     "rows": rows,
-                     "conclusion": conclusion}
 
 
 def agreement(outputs, wanted):
     """The share of outputs equal to the wanted ones, position by position."""
-    return mean(1 if a == b else 0 for a, b in zip(outputs, wanted))
-
-
-def first_difference(tokens, wanted):
-    """The first position where two sequences of token ids differ."""
-    return next(i for i, (a, b) in enumerate(zip(tokens, wanted)) if a != b)
+    return fmean(1 if a == b else 0 for a, b in zip(outputs, wanted))
 
 
 def greedy(max_tokens):
@@ -57,9 +35,9 @@ def greedy(max_tokens):
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def p90(values):
-    """The 90th percentile: the value 90% of the way up the sorted values."""
-    return sorted(values)[int(0.9 * len(values))]
+def mean_p90(values):
+    """The mean and the 90th percentile (the value 90% of the way up the sorted values)."""
+    return fmean(values), sorted(values)[int(0.9 * len(values))]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -68,36 +46,46 @@ def p90(values):
 def corpus(llm):
     # Random weights have no tokenizer: random token ids, the same every run.
     if llm.tokenizer is None:
-        vocabulary = range(llm.model.config.vocab_size)
-        return random.Random(0).choices(vocabulary, k=20000)
-    with open(nanopaged.__file__, encoding="utf-8") as f:
-        return llm.tokenizer.encode(f.read(), add_special_tokens=False)
+        return random.Random(0).choices(range(llm.model.config.vocab_size), k=20000)
+    return llm.tokenizer.encode(inspect.getsource(nanopaged), add_special_tokens=False)
 
 
-def mixed_workload(llm, num_requests, seed=0, sample_every=0):
+def pieces(text, seed, lengths):
+    """Pieces of text at random places (seed), one of each length range (shortest, longest)."""
+    rng = random.Random(seed)
+    # The places first, then each piece's length.
+    places = rng.sample(range(len(text) - 256), len(lengths))
+    result = []
+    for i, n in zip(places, lengths):
+        result.append(text[i:i + rng.randint(*n)])
+    return result
+
+
+def mixed_workload(llm, num_requests, sample_every=0):
     """Prompts of 16-256 tokens, greedy outputs of 8-128 (eos off: every engine makes as many);
     sample_every: every so many, n=2 samples instead."""
-    rng = random.Random(seed)
+    rng = random.Random(0)
     text = corpus(llm)
-    prompts = []
-    params = []
+    requests = []
     for i in range(num_requests):
         n = rng.randint(16, 256)
         start = rng.randrange(len(text) - n)
-        prompts.append(text[start:start + n])
         sample = sample_every and i % sample_every == 0
-        params.append(SamplingParams(temperature=0.8 if sample else 0,
-                                     n=2 if sample else 1,
-                                     max_tokens=rng.randint(8, 128),
-                                     ignore_eos=True,
-                                     seed=i))
-    return prompts, params
+        requests.append((text[start:start + n],
+                         SamplingParams(temperature=0.8 if sample else 0,
+                                        n=2 if sample else 1,
+                                        max_tokens=rng.randint(8, 128),
+                                        ignore_eos=True,
+                                        seed=i)))
+    # Returned as (prompts, params).
+    return zip(*requests)
 
 
-def engine(args, **kwargs):
-    """An LLM on the command line's model, device and kv_cache_dtype (unless kwargs name one)."""
+def engine(args, num_blocks=1, **kwargs):
+    """An LLM of num_blocks blocks on the command line's model, device and kv_cache_dtype (unless
+    kwargs name one)."""
     kwargs.setdefault("kv_cache_dtype", args.kv_cache_dtype)
-    return LLM(args.model, device=args.device, **kwargs)
+    return LLM(args.model, device=args.device, num_blocks=num_blocks, **kwargs)
 
 
 def timed(f, *args):
@@ -106,42 +94,41 @@ def timed(f, *args):
     return f(*args), time.perf_counter() - t0
 
 
-def gemm_rate(device, dtype):
-    """FLOP/s, the machine's best: the fastest of 5 matmuls of 2048²."""
-    a = torch.randn(2048, 2048, device=device, dtype=dtype)
-    # Reading a value back waits for the matmul to finish.
-    seconds = timeit.repeat(lambda: (a @ a)[0, 0].item(), number=1, repeat=5)
-    return 2 * 2048 ** 3 / min(seconds)
-
-
 def run(llm, prompts, params):
-    """Requests through the engine: (each output's token ids, seconds, the pool after each step)."""
+    """Requests through the engine: (each output's first sample's token ids, seconds, the pool
+    after each step)."""
     seen = []
 
     def watch(step):
-        seen.append(dict(step.stats,
-                         used_blocks=llm.block_manager.num_used_blocks(),
-                         running_requests=len(llm.scheduler.running)))
+        seen.append(dict(step.stats, running_requests=len(llm.scheduler.running)))
 
     llm.on_step.append(watch)
     outs, seconds = timed(llm.generate, prompts, params)
     # watch refers to llm: left in, the engine would never be freed.
     llm.on_step.remove(watch)
-    return [[c.token_ids for c in o.outputs] for o in outs], seconds, seen
+    return [o.outputs[0].token_ids for o in outs], seconds, seen
 
 
-@torch.inference_mode()
+def arrive(llm, arrivals):
+    """The arrivals through the engine (run_arrivals): (each request's TTFT, each one's first
+    sample's token ids), in order."""
+    outs = []
+    for request_id in run_arrivals(llm, arrivals):
+        out = llm.output(request_id)
+        outs.append((out.ttft, out.outputs[0].token_ids))
+    return zip(*outs)
+
+
 def hf_generate(hf, prompts, params, size):
     """transformers' generate on static batches of size: left-padded, each to its longest output."""
     for i in range(0, len(prompts), size):
         batch = prompts[i:i + size]
         lengths = [p.max_tokens for p in params[i:i + size]]
         width = max(map(len, batch))
-        # Left-padded with 0s; the mask marks the prompt's own tokens.
-        ids = [[0] * (width - len(p)) + p for p in batch]
-        mask = [[0] * (width - len(p)) + [1] * len(p) for p in batch]
-        out = hf.generate(torch.tensor(ids, device=hf.device),
-                          attention_mask=torch.tensor(mask, device=hf.device),
+        # Left-padded: -1 marks a pad, given to the model as 0 and left out by the mask.
+        ids = torch.tensor([[-1] * (width - len(p)) + p for p in batch], device=hf.device)
+        out = hf.generate(ids.clamp(0),
+                          attention_mask=(ids >= 0).long(),
                           max_new_tokens=max(lengths),
                           do_sample=False,
                           pad_token_id=0,
@@ -150,7 +137,6 @@ def hf_generate(hf, prompts, params, size):
             yield row[width:width + n].tolist()
 
 
-@torch.inference_mode()
 def hf_continuous(hf, prompts, params, num_blocks):
     """transformers' continuous batching as generate_batch runs it, each request to its length."""
     # nanopaged's budget, and load_hf's sdpa attention rather than flash attention.
@@ -159,11 +145,11 @@ def hf_continuous(hf, prompts, params, num_blocks):
                                   max_batch_tokens=2048,
                                   auto_switch_to_flash=False)
     # An eos of -1 is none: every request runs to its length.
-    config = GenerationConfig(do_sample=False, eos_token_id=-1)
-    with hf.continuous_batching_context_manager(config,
+    with hf.continuous_batching_context_manager(GenerationConfig(do_sample=False, eos_token_id=-1),
                                                 continuous_batching_config=cb) as manager:
-        ids = [manager.add_request(p, max_new_tokens=q.max_tokens)
-               for p, q in zip(prompts, params)]
+        ids = []
+        for p, q in zip(prompts, params):
+            ids.append(manager.add_request(p, max_new_tokens=q.max_tokens))
         # The manager hands each request back as it ends: as many as were added.
         done = {r.request_id: r.generated_tokens for _, r in zip(ids, manager)}
     return [done[i] for i in ids]
@@ -185,65 +171,67 @@ def memory(args):
                   block_size=size,
                   max_model_len=max_model_len,
                   num_blocks=slots // size)
-        _, _, seen = run(llm, *mixed_workload(llm, args.num_requests, sample_every=4))
-        wasted = [s["used_blocks"] * size * (1 - s["token_occupancy_perc"])
-                  for s in seen]
+        seen = run(llm, *mixed_workload(llm, args.num_requests, sample_every=4))[2]
         rows.append(["contiguous" if size == max_model_len else "paged",
                      size,
-                     mean(s["token_occupancy_perc"] for s in seen),
-                     round(mean(wasted)),
+                     fmean(s["token_occupancy_perc"] for s in seen),
+                     # The budget's slots in used blocks, less those holding tokens.
+                     round(fmean(s["kv_cache_usage_perc"] * slots * (1 - s["token_occupancy_perc"])
+                                 for s in seen)),
                      max(s["running_requests"] for s in seen)])
-    report("memory",
-           f"{args.num_requests} requests, a KV budget of {slots} token slots",
-           ["layout", "block_size", "token occupancy", "slots wasted",
-            "requests at once"],
-           rows,
-           f"At block_size 16, {rows[1][2]:.0%} of the reserved slots hold tokens, "
-           f"against {rows[-1][2]:.0%} when each request reserves "
-           f"max_model_len ({max_model_len}) up front: "
-           f"{rows[1][4] / rows[-1][4]:.1f}x as many requests run at once in the budget.")
+    return (f"{args.num_requests} requests, a KV budget of {slots} token slots",
+            ["layout", "block_size", "token occupancy", "slots wasted",
+             "requests at once"],
+            rows,
+            f"At block_size 16, {rows[1][2]:.0%} of the reserved slots hold tokens, "
+            f"against {rows[-1][2]:.0%} when each request reserves "
+            f"max_model_len ({max_model_len}) up front: "
+            f"{rows[1][4] / rows[-1][4]:.1f}x as many requests run at once in the budget.")
 
 
 def throughput(args):
     """The same greedy requests (eos off) through nanopaged and three transformers baselines."""
     # Room for every request at once: mixed_workload's prompts and outputs at their longest.
     num_blocks = args.num_requests * (256 + 128) // 16
-    llm = engine(args, num_blocks=num_blocks)
+    llm = engine(args, num_blocks)
     prompts, params = mixed_workload(llm, args.num_requests)
     ours, seconds, _ = run(llm, prompts, params)
     # The matmul floor: the workload's linear layers at the machine's best GEMM rate. They take
     # 2 FLOPs a weight for each token computed, and the vocabulary's for each token sampled.
-    num_tokens = sum(p.max_tokens for p in params)
-    # Every output token but each request's last goes back through the layers.
-    computed = llm.stats()["num_prefill_tokens_computed"] + num_tokens - len(prompts)
-    # The linear layers' weights are the layers' 2-D parameters.
-    weights = sum(p.numel() for p in llm.model.layers.parameters() if p.dim() == 2)
-    vocabulary = llm.model.lm_head.weight.numel()
-    flops = 2 * (weights * computed + vocabulary * num_tokens)
-    floor = flops / gemm_rate(llm.device, llm.dtype)
+    num_tokens = llm.num_generated_tokens
+    # The linear layers' weights are the layers' 2-D parameters. Every output token but each
+    # request's last goes back through the layers.
+    flops = 2 * (sum(p.numel() for p in llm.model.layers.parameters() if p.dim() == 2)
+                 * (llm.num_prefill_tokens_computed + num_tokens - args.num_requests)
+                 + llm.model.lm_head.weight.numel() * num_tokens)
+    # The machine's best GEMM rate (FLOP/s): the fastest of 5 matmuls of 2048². Reading a value
+    # back waits for the matmul to finish.
+    a = torch.randn(2048, 2048).to(llm.device, llm.dtype)
+    floor = flops / (2 * 2048 ** 3) * min(timed(lambda: (a @ a)[0, 0].item())[1]
+                                          for _ in range(5))
     # transformers runs the weights nanopaged runs.
     hf = load_hf(args.model, llm.seed)[0].to(llm.device)
     rows = [("nanopaged", seconds, num_tokens / seconds, 1.0, 1.0, floor / seconds)]
     for name, generate, arg in [("batch 1", hf_generate, 1),
                                 ("batch 8", hf_generate, 8),
                                 ("continuous batching", hf_continuous, num_blocks)]:
-        theirs, hf_seconds = timed(lambda: list(generate(hf, prompts, params, arg)))
+        with torch.inference_mode():
+            theirs, hf_seconds = timed(lambda: list(generate(hf, prompts, params, arg)))
         rows.append((f"transformers, {name}",
                      hf_seconds,
                      num_tokens / hf_seconds,
                      hf_seconds / seconds,
-                     agreement(theirs, [o[0] for o in ours]),
+                     agreement(theirs, ours),
                      floor / hf_seconds))
-    report("throughput",
-           f"{len(prompts)} mixed requests, {llm.device}, {llm.dtype}",
-           ["engine", "seconds", "output tokens/s", "nanopaged's speedup",
-            "same greedy tokens", "of the matmul floor"],
-           rows,
-           f"nanopaged is {rows[3][3]:.1f}x as fast as transformers' continuous batching, "
-           f"{rows[2][3]:.1f}x static batches of 8, {rows[1][3]:.1f}x one at a time; "
-           f"it runs at {rows[0][5]:.0%} of the matmul floor "
-           f"({flops / 1e12:.2f} TFLOP of linear layers "
-           f"at {flops / floor / 1e9:.0f} GFLOP/s, this machine's best).")
+    return (f"{len(prompts)} mixed requests, {llm.device}, {llm.dtype}",
+            ["engine", "seconds", "output tokens/s", "nanopaged's speedup",
+             "same greedy tokens", "of the matmul floor"],
+            rows,
+            f"nanopaged is {rows[3][3]:.1f}x as fast as transformers' continuous batching, "
+            f"{rows[2][3]:.1f}x static batches of 8, {rows[1][3]:.1f}x one at a time; "
+            f"it runs at {rows[0][5]:.0%} of the matmul floor "
+            f"({flops / 1e12:.2f} TFLOP of linear layers "
+            f"at {flops / floor / 1e9:.0f} GFLOP/s, this machine's best).")
 
 
 def prefix(args):
@@ -252,27 +240,21 @@ def prefix(args):
     rows = []
     for caching in (True, False):
         # 412 + 16 tokens: 27 blocks a request, room for all.
-        llm = engine(args,
-                     enable_prefix_caching=caching,
-                     num_blocks=args.num_requests * 27)
+        llm = engine(args, args.num_requests * 27, enable_prefix_caching=caching)
         text = corpus(llm)
         # Each question: 12 tokens of the text, 37 apart.
-        starts = range(1000, 1000 + 37 * args.num_requests, 37)
-        prompts = [text[:400] + text[i:i + 12] for i in starts]
-        arrivals = [(2 * i, [p], greedy(16)) for i, p in enumerate(prompts)]
-        request_ids = run_arrivals(llm, arrivals)
-        s = llm.stats()
+        ttft, _ = arrive(llm, [(2 * i, [text[:400] + text[1000 + 37 * i:][:12]], greedy(16))
+                               for i in range(args.num_requests)])
         rows.append((f"caching {'on' if caching else 'off'}",
-                     s["num_prefill_tokens_computed"],
-                     s["prefix_cache_hit_rate"],
-                     mean(llm.output(r).ttft for r in request_ids)))
-    report("prefix",
-           f"{len(prompts)} requests of 412 tokens sharing 400, one every other step",
-           ["prefix caching", "prefill tokens computed", "hit rate",
-            "mean ttft (s)"],
-           rows,
-           f"With prefix caching the engine computes {1 - rows[0][1] / rows[1][1]:.0%} fewer "
-           f"prompt tokens and the first token comes {rows[1][3] / rows[0][3]:.1f}x sooner.")
+                     llm.num_prefill_tokens_computed,
+                     llm.stats()["prefix_cache_hit_rate"],
+                     fmean(ttft)))
+    return (f"{args.num_requests} requests of 412 tokens sharing 400, one every other step",
+            ["prefix caching", "prefill tokens computed", "hit rate",
+             "mean ttft (s)"],
+            rows,
+            f"With prefix caching the engine computes {1 - rows[0][1] / rows[1][1]:.0%} fewer "
+            f"prompt tokens and the first token comes {rows[1][3] / rows[0][3]:.1f}x sooner.")
 
 
 def kv_dtype(args):
@@ -281,20 +263,16 @@ def kv_dtype(args):
     once, tokens/s; accuracy against the model's dtype (32 greedy tokens, eos off): the first
     token's top-1 agreement and mean KL divergence, the outputs identical, the mean position where
     the others first differ."""
-    llm = engine(args, kv_cache_dtype="auto", num_blocks=1)
-    text = corpus(llm)
-    rng = random.Random(3)
-    starts = rng.sample(range(len(text) - 256), args.num_requests)
-    prompts = [text[i:i + rng.randint(32, 256)] for i in starts]
+    llm = engine(args, kv_cache_dtype="auto")
+    prompts = pieces(corpus(llm), 3, [(32, 256)] * args.num_requests)
     params = greedy(32)
-    need = sum(nanopaged.max_blocks_needed(llm, len(p), params) for p in prompts)
     # The bytes of a quarter of the blocks needed, in the model's dtype.
-    memory = need // 4 * llm.copier.bytes_per_block["device"]
+    memory = (sum(nanopaged.max_blocks_needed(llm, len(p), params) for p in prompts) // 4
+              * llm.copier.bytes_per_block["device"])
     rows = []
     for dtype in ("auto", "int8"):
-        sizes = engine(args, kv_cache_dtype=dtype, num_blocks=1).copier.bytes_per_block
-        block_bytes = sizes["device"]
-        llm = engine(args, kv_cache_dtype=dtype, num_blocks=memory // block_bytes)
+        block_bytes = engine(args, kv_cache_dtype=dtype).copier.bytes_per_block["device"]
+        llm = engine(args, memory // block_bytes, kv_cache_dtype=dtype)
         outs, seconds, seen = run(llm, prompts, params)
         # Each prompt's first-token log-probs, as the model hands its logits on: a step each,
         # one row of logits each.
@@ -306,34 +284,33 @@ def kv_dtype(args):
         # The hook is removed as the with block ends.
         with llm.model.register_forward_hook(keep):
             for prompt in prompts:
-                llm.generate([prompt], greedy(1))
+                llm.generate(prompt, greedy(1))
         first = torch.cat(first)
         # The model's dtype comes first: INT8 is measured against it.
         if dtype == "auto":
             want_first, want_outs = first, outs
         # Where each output unlike the model dtype's first differs from it.
-        differ = [first_difference(o[0], w[0])
+        differ = [[a == b for a, b in zip(o, w)].index(False)
                   for o, w in zip(outs, want_outs) if o != w]
-        # The first token: top-1 agreement, and the KL divergence from the model dtype's.
-        top1 = (first.argmax(-1) == want_first.argmax(-1)).float().mean().item()
-        kl = (want_first.exp() * (want_first - first)).sum(-1).mean().item()
-        rows.append(("int8" if dtype == "int8" else str(llm.dtype).removeprefix("torch."),
+        # The first token: the KL divergence from the model dtype's, the mean over the prompts.
+        kl = torch.nn.functional.kl_div(first, want_first, reduction="batchmean", log_target=True)
+        rows.append((str(llm.kv_cache.dtype).removeprefix("torch."),
                      block_bytes,
                      max(s["running_requests"] for s in seen),
-                     params.max_tokens * len(prompts) / seconds,   # eos off: all of them
-                     top1,
+                     params.max_tokens * args.num_requests / seconds,   # eos off: all of them
+                     # The first token's top-1 agreement.
+                     agreement(first.argmax(-1), want_first.argmax(-1)),
                      f"{kl:.4f}",
                      agreement(outs, want_outs),
-                     mean(differ or [float("nan")])))
-    report("kv_dtype",
-           f"{len(prompts)} prompts, {memory / 2**20:.0f} MiB of KV cache",
-           ["kv_cache_dtype", "bytes/block", "at once", "tokens/s", "top-1", "KL",
-            "identical", "differ at"],
-           rows,
-           f"INT8 stores {rows[0][1] / rows[1][1]:.2f}x the blocks in the same memory, "
-           f"runs {rows[1][2] / rows[0][2]:.1f}x the requests at once "
-           f"at {rows[1][3] / rows[0][3]:.2f}x the tokens/s; "
-           f"{rows[1][6]:.0%} of its greedy outputs are identical.")
+                     fmean(differ or [float("nan")])))
+    return (f"{len(prompts)} prompts, {memory / 2**20:.0f} MiB of KV cache",
+            ["kv_cache_dtype", "bytes/block", "at once", "tokens/s", "top-1", "KL",
+             "identical", "differ at"],
+            rows,
+            f"INT8 stores {rows[0][1] / rows[1][1]:.2f}x the blocks in the same memory, "
+            f"runs {rows[1][2] / rows[0][2]:.1f}x the requests at once "
+            f"at {rows[1][3] / rows[0][3]:.2f}x the tokens/s; "
+            f"{rows[1][6]:.0%} of its greedy outputs are identical.")
 
 
 def priority(args):
@@ -342,44 +319,37 @@ def priority(args):
     preempts: first come first served; by priority (interactive 0, batch 1); and with aging. The
     interactive requests' TTFT; the longest a batch request waited for its first token."""
     num_batch, num_interactive = (6, 8) if args.quick else (12, 24)
-    text = corpus(engine(args, num_blocks=1))
-    rng = random.Random(5)
-    starts = rng.sample(range(len(text) - 256), num_batch + num_interactive)
-    batch = [text[i:i + rng.randint(128, 256)] for i in starts[:num_batch]]
-    interactive = [text[i:i + rng.randint(16, 32)] for i in starts[num_batch:]]
+    prompts = pieces(corpus(engine(args)), 5,
+                     [(128, 256)] * num_batch + [(16, 32)] * num_interactive)
     policies = {"fcfs": {},
-                "priority": dict(scheduling_policy="priority"),
-                "priority, aging 4": dict(scheduling_policy="priority",
-                                          priority_aging_steps=4)}
+                "priority": {"scheduling_policy": "priority"},
+                "priority, aging 4": {"scheduling_policy": "priority",
+                                      "priority_aging_steps": 4}}
     rows = []
     for name, policy in policies.items():
         # The pool holds half the batch requests at their longest.
-        llm = engine(args, num_blocks=num_batch // 2 * (256 + 64) // 16, **policy)
-        # The batch requests at step 0 (priority 1; under fcfs all are 0), then the interactive.
-        batch_priority = 1 if policy else 0
-        arrivals = [(0, batch, greedy(64), [batch_priority] * num_batch)]
-        arrivals += [(2 * i, [p], greedy(8), [0]) for i, p in enumerate(interactive)]
-        outs, seconds = timed(lambda: [llm.output(r) for r in run_arrivals(llm, arrivals)])
-        ttft = [o.ttft for o in outs[num_batch:]]
-        tokens = [o.outputs[0].token_ids for o in outs]
+        llm = engine(args, num_batch // 2 * (256 + 64) // 16, **policy)
+        # The batch requests at step 0 (priority 1; under fcfs all are 0), then the interactive
+        # ones, one every other step (priority 0).
+        (ttft, tokens), seconds = timed(arrive, llm, [
+            (0, prompts[:num_batch], greedy(64), [1 if policy else 0] * num_batch),
+            *[(2 * i, [p], greedy(8)) for i, p in enumerate(prompts[num_batch:])]])
         # First come first served runs first: the others are compared with it.
         if name == "fcfs":
             want = tokens
         rows.append((name,
-                     mean(ttft),
-                     p90(ttft),
-                     max(o.ttft for o in outs[:num_batch]),
+                     *mean_p90(ttft[num_batch:]),
+                     max(ttft[:num_batch]),
                      llm.num_generated_tokens / seconds,
                      agreement(tokens, want)))
-    report("priority",
-           f"{num_interactive} interactive requests among {num_batch} batch requests",
-           ["policy", "ttft mean", "ttft p90", "batch: longest ttft", "tokens/s",
-            "same tokens"],
-           rows,
-           f"By priority the interactive requests' first token comes "
-           f"{rows[0][1] / rows[1][1]:.1f}x sooner than first come first served "
-           f"({rows[0][1] / rows[2][1]:.1f}x with aging, which brings the batch requests' "
-           f"longest wait from {rows[1][3]:.2f} to {rows[2][3]:.2f} s).")
+    return (f"{num_interactive} interactive requests among {num_batch} batch requests",
+            ["policy", "ttft mean", "ttft p90", "batch: longest ttft", "tokens/s",
+             "same tokens"],
+            rows,
+            f"By priority the interactive requests' first token comes "
+            f"{rows[0][1] / rows[1][1]:.1f}x sooner than first come first served "
+            f"({rows[0][1] / rows[2][1]:.1f}x with aging, which brings the batch requests' "
+            f"longest wait from {rows[1][3]:.2f} to {rows[2][3]:.2f} s).")
 
 
 def multiturn(args):
@@ -393,36 +363,33 @@ def multiturn(args):
     num_blocks = 2 * (num_turns * 80 + 15) // 16
     # Host blocks for a quarter of the chats.
     quarter = num_chats * num_blocks // 8
-    tiers = dict(num_cpu_blocks=quarter, num_disk_blocks=4 * num_blocks)
-    sizes = engine(args, num_blocks=1, offload_kv_cache_dtype="int8").copier.bytes_per_block
-    # INT8 host blocks in a model-dtype block's bytes.
-    int8_more = sizes["device"] / sizes["host"]
+    tiers = {"num_cpu_blocks": quarter, "num_disk_blocks": 4 * num_blocks}
+    sizes = engine(args, offload_kv_cache_dtype="int8").copier.bytes_per_block
+    # The slow links' speeds, filled in by the device-only run, which comes first.
+    gbps = {}
+    slow = {**tiers, "tier_gbps": gbps}
     configs = {"device only": {},
-               "+ host": dict(num_cpu_blocks=num_chats * num_blocks),
-               "+ 1/4 host": dict(num_cpu_blocks=quarter),
-               "+ 1/4 host in INT8": dict(num_cpu_blocks=int(quarter * int8_more),
-                                          offload_kv_cache_dtype="int8"),
+               "+ host": {"num_cpu_blocks": num_chats * num_blocks},
+               "+ 1/4 host": {"num_cpu_blocks": quarter},
+               # INT8 host blocks in the bytes of a quarter in the model's dtype.
+               "+ 1/4 host in INT8": {"num_cpu_blocks": quarter * sizes["device"] // sizes["host"],
+                                      "offload_kv_cache_dtype": "int8"},
                "+ 1/4 host, disk": tiers,
-               "slow links: blocking": dict(tiers, async_copies=False),
-               "slow links: write-ahead": tiers}   # async_copies, the default
+               "slow links: blocking": {**slow, "async_copies": False},
+               "slow links: write-ahead": slow}   # async_copies, the default
     # A warm-up run.
-    engine(args, num_blocks=num_blocks).generate([[1] * 64])
-    gbps = None   # the slow links' speeds, set by the device-only run
+    engine(args, num_blocks).generate([1] * 64)
     rows = []
     for name, pools in configs.items():
-        if name.startswith("slow"):
-            pools = dict(pools, tier_gbps=gbps)
-        llm = engine(args, num_blocks=num_blocks, **pools)
+        llm = engine(args, num_blocks, **pools)
         text = corpus(llm)
         chats = [[] for _ in range(num_chats)]
         ttft = []
         t0 = time.perf_counter()
-        # The chats in turn: a chat's new message, then the reply.
-        for i in range(num_turns * num_chats):
-            chat = chats[i % num_chats]
-            start = 997 * i % (len(text) - 64)
-            chat += text[start:start + 64]
-            out = llm.generate([chat], greedy(16))[0]
+        # The chats in turn (each list num_turns times over): a chat's new message, then the reply.
+        for i, chat in enumerate(chats * num_turns):
+            chat += text[997 * i % (len(text) - 64):][:64]
+            out = llm.generate(chat, greedy(16))[0]
             chat += out.outputs[0].token_ids
             ttft.append(out.ttft)
         seconds = time.perf_counter() - t0
@@ -432,38 +399,36 @@ def multiturn(args):
         # tokens' compute and over NVMe in 12 (recomputing it: 16).
         if name == "device only":
             want = chats
-            per_token = seconds / (s["num_prefill_tokens_computed"] + s["num_generated_tokens"])
-            block_bytes = llm.copier.bytes_per_block["device"]
-            gbps = {"host": block_bytes / (4 * per_token) / 1e9,
-                    "disk": block_bytes / (12 * per_token) / 1e9}
+            # The GB/s of a link that carries a block in one token's compute.
+            speed = (sizes["device"] / 1e9
+                     * (llm.num_prefill_tokens_computed + llm.num_generated_tokens) / seconds)
+            gbps.update(host=speed / 4, disk=speed / 12)
         # The hits found in the tiers below the device.
         below = [s["host_prefix_cache_hits"], s["disk_prefix_cache_hits"]]
         hits = [s["prefix_cache_hits"] - sum(below), *below]
-        rates = " ".join(f"{h / s['prefix_cache_queries']:.0%}" for h in hits)
         rows.append((name,
-                     s["num_prefill_tokens_computed"],
-                     rates,
-                     mean(ttft),
-                     p90(ttft),
-                     s["num_generated_tokens"] / seconds,
+                     llm.num_prefill_tokens_computed,
+                     " ".join(f"{h / s['prefix_cache_queries']:.0%}" for h in hits),
+                     *mean_p90(ttft),
+                     llm.num_generated_tokens / seconds,
                      s["copy_wait_seconds"],
                      chats == want))
     device_only, host, _, int8, _, blocking, write_ahead = rows
-    report("multiturn",
-           f"{num_chats} chats of {num_turns} turns, {num_blocks} device blocks",
-           ["tiers", "prefill computed", "hits: device host disk", "ttft mean", "ttft p90",
-            "tokens/s", "waited (s)", "same"],
-           rows,
-           f"With a host tier {1 - host[1] / device_only[1]:.0%} fewer prompt tokens are "
-           f"computed and the first token comes {device_only[3] / host[3]:.1f}x sooner, "
-           f"{1 - int8[1] / device_only[1]:.0%} with a quarter of its memory in INT8. "
-           f"Over links emulated (tier_gbps) as PCIe and NVMe beside a GPU "
-           f"(host {gbps['host']:.3g}, disk {gbps['disk']:.3g} GB/s), "
-           f"copies in the background, written ahead, "
-           f"bring the first token {blocking[3] / write_ahead[3]:.1f}x sooner, "
-           f"with {write_ahead[5] / blocking[5]:.1f}x the tokens/s.")
+    return (f"{num_chats} chats of {num_turns} turns, {num_blocks} device blocks",
+            ["tiers", "prefill computed", "hits: device host disk", "ttft mean", "ttft p90",
+             "tokens/s", "waited (s)", "same"],
+            rows,
+            f"With a host tier {1 - host[1] / device_only[1]:.0%} fewer prompt tokens are "
+            f"computed and the first token comes {device_only[3] / host[3]:.1f}x sooner, "
+            f"{1 - int8[1] / device_only[1]:.0%} with a quarter of its memory in INT8. "
+            f"Over links emulated (tier_gbps) as PCIe and NVMe beside a GPU "
+            f"(host {gbps['host']:.3g}, disk {gbps['disk']:.3g} GB/s), "
+            f"copies in the background, written ahead, "
+            f"bring the first token {blocking[3] / write_ahead[3]:.1f}x sooner, "
+            f"with {write_ahead[5] / blocking[5]:.1f}x the tokens/s.")
 
 
+# Each experiment returns its table (title, columns, rows) and its conclusion.
 EXPERIMENTS = {f.__name__: f
                for f in (memory, throughput, prefix, kv_dtype, priority, multiturn)}
 
@@ -476,24 +441,35 @@ if __name__ == "__main__":
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--kv-cache-dtype",
                    default="auto",
-                   choices=["auto", "int8"],
-                   help="the KV cache's dtype in every experiment (kv_dtype compares both)")
+                   help="auto or int8: the KV cache in every experiment (kv_dtype compares both)")
     args = p.parse_args()
     if args.json is not None and not nanopaged.writable(args.json):
         p.error(f"--json {args.json!r}: "
                 "not a file this program can write (a folder? no such one?)")
     # A bad --model or --device: one line, before any experiment (they reuse the model).
     try:
-        engine(args, num_blocks=1)
+        engine(args)
     except ValueError as e:
         p.error(str(e))
     args.num_requests = 8 if args.quick else 32
     machine = (f"{platform.machine()}, {torch.get_num_threads()} threads, "
                f"{args.device or 'default'}")
     console.print(f"nanopaged bench: {args.model or 'SmolLM2-135M-Instruct'} on {machine}")
+    results = {}   # experiment -> its figures, for --json
     t0 = time.perf_counter()
     for name in [args.only] if args.only else EXPERIMENTS:
-        EXPERIMENTS[name](args)
+        title, columns, rows, conclusion = EXPERIMENTS[name](args)
+        # The experiment's table and conclusion. The first column names a row; the others hold
+        # figures.
+        table = Table(*columns, title=f"{name}: {title}", title_justify="left")
+        for column in table.columns[1:]:
+            column.justify = "right"
+        for row in rows:
+            table.add_row(*[f"{x:.2f}" if isinstance(x, float) else str(x) for x in row])
+        console.print(table, conclusion + "\n", style="bold")
+        results[name] = {"columns": columns,
+                         "rows": rows,
+                         "conclusion": conclusion}
     console.print(f"done in {time.perf_counter() - t0:.0f} s")
     # Written last: the tables are printed whatever becomes of the file, which was checked
     # writable before the first experiment.
@@ -502,4 +478,4 @@ if __name__ == "__main__":
             json.dump({"machine": machine,
                        "model": args.model,
                        "quick": args.quick,
-                       "experiments": results}, f, indent=1, default=str)
+                       "experiments": results}, f, indent=1)

