@@ -36,7 +36,6 @@ import atexit
 import bisect
 import concurrent.futures
 import contextlib
-import copy
 import dataclasses
 import functools
 import gc
@@ -951,9 +950,10 @@ class LLM:
                  kv_row(cfg.head_dim, kv_dtype))
         # the pool by default: on CUDA 80% of what the weights leave free (vLLM's
         # gpu_memory_utilization), on a CPU 1 GiB
-        budget = 0.8 * torch.cuda.mem_get_info(self.device)[0] if cuda else 2**30
-        bytes_per_block = math.prod(block) * kv_dtype.itemsize
-        num_blocks = args.num_blocks or max(1, int(budget // bytes_per_block))
+        num_blocks = args.num_blocks
+        if num_blocks is None:
+            budget = 0.8 * torch.cuda.mem_get_info(self.device)[0] if cuda else 2**30
+            num_blocks = max(1, int(budget // (math.prod(block) * kv_dtype.itemsize)))
         # the pools against this machine's memory, max_model_len against the model's (section 5)
         check_loaded_model(self, args, num_blocks, block, kv_dtype)
         # (2, num_layers, num_blocks, block_size, kv_heads, head_dim): K and V of every block
