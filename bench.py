@@ -40,6 +40,12 @@ def mean_p90(values):
     return fmean(values), sorted(values)[int(0.9 * len(values))]
 
 
+def reasons(stats):
+    """stats()'s computed_by_reason in words, each reason then its prompt tokens, in the engine's
+    order: 'first seen 16, after a miss 384, partial block 96'."""
+    return ", ".join(f"{reason} {n}" for reason, n in stats["computed_by_reason"].items())
+
+
 # ----------------------------------------------------------------------------------------------
 # Workloads: prompts cut from a text (nanopaged.py's own source), or random ids for random weights
 
@@ -125,10 +131,11 @@ def hf_generate(hf, prompts, params, size):
         batch = prompts[i:i + size]
         lengths = [p.max_tokens for p in params[i:i + size]]
         width = max(map(len, batch))
-        # Left-padded: -1 marks a pad, given to the model as 0 and left out by the mask.
+        # Left-padded: -1 marks a pad, given to the model as 0 and left out by the mask (True:
+        # a prompt token).
         ids = torch.tensor([[-1] * (width - len(p)) + p for p in batch], device=hf.device)
         out = hf.generate(ids.clamp(0),
-                          attention_mask=(ids >= 0).long(),
+                          attention_mask=ids >= 0,
                           max_new_tokens=max(lengths),
                           do_sample=False,
                           pad_token_id=0,
@@ -245,13 +252,15 @@ def prefix(args):
         # Each question: 12 tokens of the text, 37 apart.
         ttft, _ = arrive(llm, [(2 * i, [text[:400] + text[1000 + 37 * i:][:12]], greedy(16))
                                for i in range(args.num_requests)])
+        s = llm.stats()
         rows.append((f"caching {'on' if caching else 'off'}",
                      llm.num_prefill_tokens_computed,
-                     llm.stats()["prefix_cache_hit_rate"],
-                     fmean(ttft)))
+                     s["prefix_cache_hit_rate"],
+                     fmean(ttft),
+                     reasons(s)))
     return (f"{args.num_requests} requests of 412 tokens sharing 400, one every other step",
             ["prefix caching", "prefill tokens computed", "hit rate",
-             "mean ttft (s)"],
+             "mean ttft (s)", "computed by reason"],
             rows,
             f"With prefix caching the engine computes {1 - rows[0][1] / rows[1][1]:.0%} fewer "
             f"prompt tokens and the first token comes {rows[1][3] / rows[0][3]:.1f}x sooner.")
@@ -403,20 +412,21 @@ def multiturn(args):
             speed = (sizes["device"] / 1e9
                      * (llm.num_prefill_tokens_computed + llm.num_generated_tokens) / seconds)
             gbps.update(host=speed / 4, disk=speed / 12)
-        # The hits found in the tiers below the device.
-        below = [s["host_prefix_cache_hits"], s["disk_prefix_cache_hits"]]
-        hits = [s["prefix_cache_hits"] - sum(below), *below]
         rows.append((name,
                      llm.num_prefill_tokens_computed,
-                     " ".join(f"{h / s['prefix_cache_queries']:.0%}" for h in hits),
+                     # The prompt tokens found in each tier (cached_by_tier names those with
+                     # any), as shares of the tokens looked up.
+                     " ".join(f"{s['cached_by_tier'].get(t, 0) / s['prefix_cache_queries']:.0%}"
+                              for t in nanopaged.TIERS),
                      *mean_p90(ttft),
                      llm.num_generated_tokens / seconds,
                      s["copy_wait_seconds"],
+                     reasons(s),
                      chats == want))
     device_only, host, _, int8, _, blocking, write_ahead = rows
     return (f"{num_chats} chats of {num_turns} turns, {num_blocks} device blocks",
             ["tiers", "prefill computed", "hits: device host disk", "ttft mean", "ttft p90",
-             "tokens/s", "waited (s)", "same"],
+             "tokens/s", "waited (s)", "computed by reason", "same"],
             rows,
             f"With a host tier {1 - host[1] / device_only[1]:.0%} fewer prompt tokens are "
             f"computed and the first token comes {device_only[3] / host[3]:.1f}x sooner, "
@@ -443,11 +453,11 @@ if __name__ == "__main__":
                    default="auto",
                    help="auto or int8: the KV cache in every experiment (kv_dtype compares both)")
     args = p.parse_args()
-    if args.json is not None and not nanopaged.writable(args.json):
-        p.error(f"--json {args.json!r}: "
-                "not a file this program can write (a folder? no such one?)")
-    # A bad --model or --device: one line, before any experiment (they reuse the model).
+    # A bad --json, --model or --device: one line, before any experiment (they reuse the model).
     try:
+        nanopaged.require(args.json is None or nanopaged.writable(args.json),
+                          f"--json {args.json!r}: "
+                          "not a file this program can write (a folder? no such one?)")
         engine(args)
     except ValueError as e:
         p.error(str(e))

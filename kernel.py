@@ -37,9 +37,9 @@ def store_kvcache(k, v, k_cache, v_cache, slot_mapping):
     """k, v: (num_tokens, kv_heads, head_dim); caches: (num_blocks, block_size, kv_heads, head_dim);
     slot_mapping: (num_tokens,) int64, slot = block_id * block_size + offset. An INT8 cache
     (kv_cache_dtype="int8", below the banner) stores each row quantized, its scale after it."""
-    if k_cache.dtype == torch.int8:
-        k, v = quantize(k), quantize(v)
     for cache, new in ((k_cache, k), (v_cache, v)):
+        if cache.dtype == torch.int8:
+            new = quantize(new)
         cache.view(-1, *cache.shape[-2:]).index_copy_(0, slot_mapping, new)
 
 # ----------------------------------------------------------------------------------------------
@@ -269,9 +269,10 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, quer
         # an INT8 pool's float32 scales (below the banner)
         row_scales(k_cache), row_scales(v_cache),
         block_tables, context_lens, query_start_loc, scale,
-        q.stride(0), q.stride(1),
+        # q's first two strides (token, head), the pool's first three (block, slot, KV head)
+        *q.stride()[:2],
         block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        *k_cache.stride()[:3],
         partial.stride(-3), partial.stride(-2), partial.stride(0),
         lse.stride(1), lse.stride(0),
         NUM_SPLITS=num_kv_splits,
@@ -376,7 +377,7 @@ def backend(q):
     return name
 
 
-def num_kv_splits_for(q, k_cache, block_tables, context_lens, max_context_len=None):
+def num_kv_splits_for(q, k_cache, block_tables, context_lens, max_context_len):
     """The flash-decoding switch (CUDA; elsewhere 1): split a context only when (sequence, KV
     head) programs are too few to fill the GPU's streaming multiprocessors and contexts are long
     (at least ~1k tokens per slice)."""
@@ -407,7 +408,7 @@ def random_case(seed, block_size, num_kv_heads, group, head_dim, ctx_q,
     floats = dict(generator=g, dtype=dtype, device=device)
     num_seqs = len(ctx_q)
     contexts, q_lens = zip(*ctx_q)
-    max_blocks = max((c + block_size - 1) // block_size for c in contexts)
+    max_blocks = (max(contexts) + block_size - 1) // block_size
     # (num_blocks, block_size, kv_heads, head_dim), 3 blocks more than the tables use
     shape = (num_seqs * max_blocks + 3, block_size, num_kv_heads, head_dim)
     k_cache, v_cache = torch.randn(2, *shape, **floats)
@@ -423,17 +424,19 @@ def random_case(seed, block_size, num_kv_heads, group, head_dim, ctx_q,
 # ----------------------------------------------------------------------------------------------
 # Benchmark (CUDA): decode against the bytes it must read, and against contiguous attention
 
-def bench_decode(batches=(1, 8, 64, 256), contexts=(512, 1024, 2048, 4096, 8192, 16384)):
+def bench_decode():
     """Decode reads its K/V once: bytes / time is its bandwidth, set against a device copy's.
-    Returns {(batch, context): (that share of copy bandwidth, time over SDPA's)}."""
+    Returns {(batch, context): (that share of copy bandwidth, time over SDPA's)}, for batches of
+    1 to 256 sequences and contexts of 512 to 16384 tokens (whole blocks of 16)."""
     from triton.testing import do_bench
     x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    copy_gbps = 2 * x.numel() / do_bench(x.clone) / 1e6   # read + write: GB/s
+    copy_gbps = 2 * x.nbytes / do_bench(x.clone) / 1e6   # read + write: GB/s
     del x
     shares = {}
     print(f"device copy bandwidth (measured): {copy_gbps:.0f} GB/s")
     print("batch context splits       ms  MB read    GB/s of copy  sdpa ms / sdpa")
-    for batch, ctx in itertools.product(batches, contexts):
+    for batch, ctx in itertools.product((1, 8, 64, 256),
+                                        (512, 1024, 2048, 4096, 8192, 16384)):
         # one new token each of batch sequences: 32 query heads on 8 KV heads of 128, blocks of
         # 16 tokens, each sequence's shuffled (random_case: decodes only)
         case = random_case(0, 16, 8, 4, 128, ((ctx, 1),) * batch, torch.bfloat16, "cuda")
@@ -442,11 +445,12 @@ def bench_decode(batches=(1, 8, 64, 256), contexts=(512, 1024, 2048, 4096, 8192,
         ms = do_bench(lambda: paged_attention_triton(*case,
                                                      max_query_len=1,
                                                      num_kv_splits=splits))
-        # K and V of every context token (kv_heads * head_dim each), q read and out written
-        nbytes = (2 * batch * ctx * k_cache[0, 0].numel() + 2 * q.numel()) * q.element_size()
         # the same K/V, contiguous per sequence: (batch, kv_heads, ctx, head_dim)
         k, v = (c[block_tables.long()].flatten(1, 2).transpose(1, 2).contiguous()
                 for c in (k_cache, v_cache))
+        # what decode must move: K and V of every context token (as many bytes as these
+        # contiguous copies hold), q read and out written
+        nbytes = k.nbytes + v.nbytes + 2 * q.nbytes
         sdpa_ms = do_bench(lambda: F.scaled_dot_product_attention(q[:, :, None], k, v,
                                                                   scale=scale,
                                                                   enable_gqa=True))
@@ -480,7 +484,6 @@ if __name__ == "__main__":
         ref = paged_attention_ref(*case).float()
         # into NaNs: an unwritten output stays NaN
         out = paged_attention_triton(*case,
-                                     max_query_len=13,
                                      num_kv_splits=splits,
                                      out=torch.full_like(case[0], float("nan")))
         err = ((out.float() - ref).abs().max() / ref.abs().max()).item()

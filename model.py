@@ -297,17 +297,18 @@ def config_from_hf(c) -> ModelConfig:
     act = getattr(c, "hidden_act", "silu")
     window = getattr(c, "sliding_window", None)
     llama_family = c.model_type in ("llama", "mistral")
-    unsupported = [what for what, present in [
-        (f"a {c.model_type!r} model (not Llama-family)", not llama_family),
-        (f"rope scaling {rope_type!r}", rope_type != "default"),
-        (f"a sliding window of {window}", window is not None),
-        ("attention bias", getattr(c, "attention_bias", False)),
-        ("mlp bias", getattr(c, "mlp_bias", False)),
-        (f"activation {act!r}", act != "silu"),
+    # each feature we do not compute: whether this model has it
+    unsupported = [what for what, present in {
+        f"a {c.model_type!r} model (not Llama-family)": not llama_family,
+        f"rope scaling {rope_type!r}": rope_type != "default",
+        f"a sliding window of {window}": window is not None,
+        "attention bias": getattr(c, "attention_bias", False),
+        "mlp bias": getattr(c, "mlp_bias", False),
+        f"activation {act!r}": act != "silu",
         # grouped-query attention: each K/V head serves the same number of query heads
-        ("num_heads not a multiple of num_kv_heads",
-         llama_family and c.num_attention_heads % c.num_key_value_heads),
-    ] if present]
+        "num_heads not a multiple of num_kv_heads":
+            llama_family and c.num_attention_heads % c.num_key_value_heads,
+    }.items() if present]
     if unsupported:
         raise ValueError(
             f"unsupported: {', '.join(unsupported)}; nanopaged runs plain Llama "
@@ -336,15 +337,15 @@ def load_model(name=None, device="cpu", dtype=torch.float32, seed=0):
     # each fused weight: its parts' weights, one after another, in their place
     for i, layer in enumerate(hf.model.layers):
         for fused, parts in FUSED.items():
-            linears = [layer.get_submodule(part) for part in parts]
-            weight = torch.cat([linear.weight.detach() for linear in linears])
+            # the parts' weights, taken out of the state
+            weights = []
             for part in parts:
-                del state[f"layers.{i}.{part}.weight"]
+                weights.append(state.pop(f"layers.{i}.{part}.weight"))
+            weight = torch.cat(weights)
             state[f"layers.{i}.{fused}.weight"] = weight
             # transformers' linears become views of it: the weights stay in memory once
-            for linear, view in zip(linears,
-                                    weight.split([lin.out_features for lin in linears])):
-                linear.weight.data = view
+            for part, view in zip(parts, weight.split([len(w) for w in weights])):
+                layer.get_submodule(part).weight.data = view
     # transformers' own tensors: on a CPU, no copy
     model.load_state_dict(state, assign=True)
     # tie_word_embeddings: one Parameter for the embedding and the output matrix (here, not in

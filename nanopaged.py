@@ -22,7 +22,8 @@ one request travels, every mechanism of its memory system in its plain form.
   4. sample, LLM                  the engine: block copies, tensors for the model, sampling, step
 After it, for a second reading: 5. the knobs (EngineArgs) and the API guards, 6. invariant
 checks, 7. events and metrics, 8. the refinements of the block manager and the scheduler (exact
-prefixes, the write-down rule, the cost rule, recomputed samples), 9. the tiers' machinery
+prefixes, the write-down rule, why a prompt missed the cache, recomputed samples, the cost
+rule), 9. the tiers' machinery
 (INT8 tiers, the disk file, the block copier, the copy engine), 10. failure recovery, 11. beam
 search rounds, 12. priorities and aging, 13. the live view, 14. the command line and its demos.
 
@@ -182,6 +183,8 @@ class Request:
         self.finished = []
         # beam search: BeamHypothesis records, the candidates for the output
         self.hypotheses = []
+        # each prompt token's K/V: the tier it was found in, or why it was computed (section 8)
+        self.sources = ()
         # sample i draws from stream i alone: its draws never depend on the schedule
         # preemptions, who else runs
         sampling = not self.is_beam_search and params.temperature > 0
@@ -281,6 +284,9 @@ class BlockManager:
         self.copies = deque()
         self.prefix_ids = itertools.count()   # (section 8)
         self.clock = itertools.count(1)   # ticks for Block.cached_at
+        # the prefixes lost to the cache lately, for why a prompt missed it: (hash, tokens) ->
+        # from where, when, for whom; ARC's ghost list (section 8)
+        self.evicted = OrderedDict()
         # metrics, counted as they happen, under the names stats() reports (vLLM's where vLLM
         # has one); a name not counted yet reads 0:
         #   prefix_cache_queries     tokens looked up
@@ -356,23 +362,24 @@ class BlockManager:
     def num_free_blocks(self):
         return self.device.num_free_blocks
 
-    def _get_new_block(self, pool):
-        """An empty block of pool; with none, the cached block freed longest ago, evicted."""
+    def _get_new_block(self, pool, seq):
+        """An empty block of pool (for seq); with none, the cached block freed longest ago,
+        evicted."""
         if not pool.empty_block_ids:
-            self._evict(pool)
+            self._evict(pool, seq)
         return pool.blocks[pool.empty_block_ids.popleft()]
 
-    def _evict(self, pool):
+    def _evict(self, pool, seq):
         """Take pool's cached block freed longest ago out of the prefix cache, emptied: its K/V
         are written down to a tier below (_write_down), or lost. Which tier: section 8."""
         block_id, _ = pool.cached_block_ids.popitem(last=False)
-        write_down_or_lose(self, pool, pool.blocks[block_id])   # (section 8)
+        write_down_or_lose(self, pool, pool.blocks[block_id], seq)   # (section 8)
         self._unregister(pool, pool.blocks[block_id])
         pool.empty_block_ids.append(block_id)
 
-    def _write_down(self, pool, block, below, kind):
-        """A copy of block's K/V in a block of the tier below, cached there."""
-        dst = self._get_new_block(below)
+    def _write_down(self, pool, block, below, kind, seq=None):
+        """A copy of block's K/V in a block of the tier below, cached there (for seq)."""
+        dst = self._get_new_block(below, seq)
         self.copies.append(BlockCopy(pool, block.block_id,
                                      below, dst.block_id))
         # registered after its copy is queued (section 10)
@@ -382,8 +389,8 @@ class BlockManager:
         self.events.record(kind, [], [block.block_id], pool,
                            [dst.block_id], below)
 
-    def _allocate_block(self, pool):
-        block = self._get_new_block(pool)
+    def _allocate_block(self, pool, seq):
+        block = self._get_new_block(pool, seq)
         block.ref_count = 1
         return block.block_id
 
@@ -407,7 +414,7 @@ class BlockManager:
         """Move a lower tier's block that seq holds up into a new device block (returned): its K/V
         are copied up, its place in the prefix cache goes with them."""
         # evicting first, if it must
-        block_id = self._allocate_block(self.device)
+        block_id = self._allocate_block(self.device, seq)
         self.copies.append(BlockCopy(pool, block.block_id,
                                      self.device, block_id))
         self.events.record("load", [seq.seq_id], [block.block_id], pool,
@@ -431,7 +438,7 @@ class BlockManager:
         seq.num_computed_tokens = min(len(seq), len(shared) * self.block_size)
         seq.block_table = list(shared)
         while len(seq.block_table) < self._num_blocks_for(len(seq)):
-            seq.block_table.append(self._allocate_block(self.device))
+            seq.block_table.append(self._allocate_block(self.device, seq))
         self.device.seqs[seq.seq_id] = seq
 
     def can_allocate(self, seq, watermark=0, siblings=()):
@@ -485,11 +492,11 @@ class BlockManager:
         """Make sure the slot of seq's last token exists and may be written. Returns (src, dst)
         when a shared block had to be copied first (copy-on-write), else None."""
         if self._needs_new_block(seq):
-            seq.block_table.append(self._allocate_block(self.device))
+            seq.block_table.append(self._allocate_block(self.device, seq))
         elif self._needs_copy(seq):
             # shared and partly filled: this writer gets its own copy
             src = self.device.blocks[seq.block_table[-1]]
-            dst = self._allocate_block(self.device)
+            dst = self._allocate_block(self.device, seq)
             self.copies.append(BlockCopy(self.device, src.block_id,
                                          self.device, dst))
             self._release(self.device, src)
@@ -602,7 +609,7 @@ class BlockManager:
                 if block_id in mapping:
                     # all taken before any is let go: none taken twice
                     continue
-                new = self._get_new_block(dst).block_id
+                new = self._get_new_block(dst, seq).block_id
                 mapping[block_id] = new
                 self.copies.append(BlockCopy(src, block_id, dst, new))
                 if src.blocks[block_id].hash is not None:
@@ -784,6 +791,8 @@ class Scheduler:
         """Allocate a waiting request's blocks, all its sequences at once: its tokens are prefill.
         A recomputed n>1 or beam request's samples fork from the first again (section 8)."""
         leader, *others = request.seqs
+        # first, where each prompt token's K/V come from, or why they are computed (section 8)
+        explain_prompt(self.block_manager, request)
         self.block_manager.allocate(leader)
         for seq in others:
             fork_from_leader(self.block_manager, leader, seq)
@@ -885,8 +894,10 @@ class Scheduler:
 
 # what generate() returns. outputs: n CompletionOutputs by sample index, finish_reason "stop"
 # (eos) or "length", token_ids after the prompt; ttft, tpot: seconds to the first token, and
-# per later one
-RequestOutput = namedtuple("RequestOutput", "request_id prompt_token_ids outputs ttft tpot")
+# per later one; num_cached_tokens: the prompt's tokens found in the prefix cache, by tier in
+# cached_by_tier; computed_by_reason: the others, by why they were computed (section 8)
+RequestOutput = namedtuple("RequestOutput", "request_id prompt_token_ids outputs ttft tpot "
+                           "num_cached_tokens cached_by_tier computed_by_reason")
 CompletionOutput = namedtuple("CompletionOutput", "index token_ids text finish_reason")
 
 # what one step did, for whoever watches (LLM.on_step): its number, the ScheduledBatch it ran,
@@ -1055,7 +1066,8 @@ class LLM:
         tpot = sum((s.finish_time - request.first_token_time)
                    / max(1, s.num_output_tokens - 1)
                    for s in seqs) / len(seqs)
-        return RequestOutput(request.request_id, request.prompt_token_ids, outs, ttft, tpot)
+        return RequestOutput(request.request_id, request.prompt_token_ids, outs, ttft, tpot,
+                             *breakdown(request.sources))
 
     def _detokenize(self, token_ids):
         """Their text ("" without a tokenizer: random weights)."""
@@ -1237,8 +1249,7 @@ def is_count(x, low):   # an int from low to MAX_COUNT
 
 
 def is_number(x):   # a finite int or float
-    return (isinstance(x, (int, float)) and not isinstance(x, bool)
-            and math.isfinite(x))
+    return (is_int(x) or isinstance(x, float)) and math.isfinite(x)
 
 
 # logits / temperature overflow float32 near 1e-38; 0 means greedy
@@ -1401,9 +1412,8 @@ def checked_requests(llm, prompts, params, kind, priority=None):
     # None: SamplingParams() for generate; beam_search has no default (the loop below refuses)
     if params is None and kind is SamplingParams:
         params = SamplingParams()
-    if isinstance(params, (list, tuple)):
-        params = list(params)
-    else:
+    # one for all, or a list or tuple of one per prompt
+    if not isinstance(params, (list, tuple)):
         params = [params] * len(prompts)
     require(len(params) == len(prompts),
             f"params: {len(params)} for {len(prompts)} prompts; give one, or one per prompt")
@@ -1478,9 +1488,8 @@ def check_block_manager(bm):
         registered = [b for b in pool.blocks if b.hash is not None]
         # the map lists the registered blocks and no others (an empty bucket: as if it listed
         # None)
-        listed = set()
-        for h, bucket in pool.hash_to_block_ids.items():
-            listed |= {(h, b) for b in bucket or [None]}
+        listed = {(h, b) for h, bucket in pool.hash_to_block_ids.items()
+                  for b in bucket or [None]}
         wrong = listed ^ {(b.hash, b.block_id) for b in registered}
         assert not wrong, (f"hash map: {pool.name} (hash, block) {wrong}: listed or registered "
                            "only")
@@ -1528,6 +1537,7 @@ def _ids(xs):
 # the plain words of each kind of event, for the live view and the trace
 EVENT_WORDS = {
     "prefix hit": "seq {seqs} finds blocks {blocks} in the prefix cache ({num_tokens} tokens)",
+    "prompt": "seq {seqs}'s prompt: {sources}",
     "fork": "seq {seqs} forks from seq {parent}: blocks {blocks} shared",
     "copy": "seq {seqs} copies shared block {blocks} to block {to} before writing "
             "(copy-on-write)",
@@ -1617,6 +1627,9 @@ def engine_stats(llm):
         stats[name] = counts[name]
     queries = max(1, counts["prefix_cache_queries"])
     stats["prefix_cache_hit_rate"] = counts["prefix_cache_hits"] / queries
+    # each prompt counted once: where its tokens were found, why the others were computed
+    tokens = breakdown(counts)
+    stats["num_cached_tokens"], stats["cached_by_tier"], stats["computed_by_reason"] = tokens
     stats["num_preemptions"] = llm.scheduler.num_preemptions
     stats["num_prefill_tokens_computed"] = llm.num_prefill_tokens_computed
     stats["num_generated_tokens"] = llm.num_generated_tokens
@@ -1630,8 +1643,9 @@ def engine_stats(llm):
 
 # ----------------------------------------------------------------------------------------------
 # 8. Refinements of the block manager and the scheduler, each called from one place above:
-#    exact prefixes under hash collisions, the write-down rule by hits, the cost rule (which
-#    tiers are worth loading from; swap or recompute), a recomputed n>1 request's leader
+#    exact prefixes under hash collisions, the write-down rule by hits, why a prompt missed the
+#    cache, a recomputed n>1 request's leader, the cost rule (which tiers are worth loading
+#    from; swap or recompute)
 
 # Exact prefixes. A chain hash covers the whole prefix, but two prefixes may hash alike, and a
 # block's own tokens say nothing of the blocks before it. So each registered prefix gets a
@@ -1661,7 +1675,7 @@ def tiers_below(bm, pool):
 # block it may yet load for one it may never load. With a copy below already (written ahead,
 # section 9, or swapped), none is made.
 
-def write_down_or_lose(bm, pool, block):   # BlockManager._evict's decision
+def write_down_or_lose(bm, pool, block, seq):   # BlockManager._evict's decision (for seq)
     lower = tiers_below(bm, pool)
     copies = bm._lookup(lower, block.hash, block.token_ids, block.parent_prefix_id)
     keeping = [t for t in lower if keeps(t, block)]
@@ -1672,13 +1686,14 @@ def write_down_or_lose(bm, pool, block):   # BlockManager._evict's decision
         bm.events.record("drop", [], [block.block_id], pool,
                          [copy.block_id], tier)
     elif keeping:
-        bm._write_down(pool, block, keeping[0], "write down")
+        bm._write_down(pool, block, keeping[0], "write down", seq)
     else:   # its K/V are lost to the prefix cache
         bm.counts["num_evictions"] += 1
         # a tier below had room, but only for a block found more often
         if any(t.num_free_blocks > 0 for t in lower):
             bm.counts["num_write_downs_skipped"] += 1
         bm.events.record("evict", [], [block.block_id], pool)
+        remember_eviction(bm, pool, block, seq)
 
 
 def keeps(tier, block):
@@ -1689,6 +1704,115 @@ def keeps(tier, block):
         return False
     next_out = tier.blocks[next(iter(tier.cached_block_ids))]
     return block.hits > next_out.hits
+
+
+# Why a prompt missed the cache. Each prompt token of a request is counted once, at its
+# admission, before its blocks are taken: found in a tier (a hit), or computed, for one of
+# REASONS. A hit is a chain of whole blocks, so the first block that misses tells why: it was
+# never cached, or it was cached and evicted (bm.evicted: the prefixes lost lately, ARC's ghost
+# list), or it sits below the device, not loaded; every block after it misses with it. A request
+# preempted by recompute is admitted again: the prompt tokens it finds keep their record, those
+# it computes again are recomputed. The engine's counts (bm.counts, by the same names) are the
+# requests' sums.
+
+TIERS = ["device", "host", "disk"]
+REASONS = [
+    "caching off",      # enable_prefix_caching=False
+    # the block of the last prompt token, full: that token is always computed (its logits are
+    # sampled), and a hit is whole blocks
+    "last token",
+    "partial block",    # the tokens after the last full block: a block is cached once full
+    "first seen",       # never cached, or evicted longer ago than bm.evicted remembers
+    "evicted",          # cached, then evicted: its K/V lost to the cache
+    # in a tier below, not loaded: recomputing it is cheaper (the cost rule), or a swapped-out
+    # request holds it
+    "not loaded",
+    "after a miss",     # a block before it missed: a hit is a prefix
+    "recomputed",       # computed again, after a preemption by recompute (or an undone step)
+]
+
+
+def explain_prompt(bm, request):   # Scheduler._admit's, before allocate
+    """Set request.sources (each prompt token's tier, or why it is computed), add them to the
+    counts, and tell the trace. The look-up is allocate's, made first."""
+    seq = request.seqs[0]
+    hits = bm._cache_hits(seq)
+    found = []
+    for tier, _ in hits:
+        found += [tier.name] * bm.block_size
+    # a recomputed request's hits may go past its prompt
+    found = found[:seq.num_prompt_tokens]
+    num_computed = seq.num_prompt_tokens - len(found)
+    computed = ["caching off"] * num_computed
+    lost = ""
+    if request.sources:   # admitted again: what it finds keeps its record
+        found = list(request.sources[:len(found)])
+        computed = ["recomputed"] * num_computed
+    elif bm.enable_prefix_caching:
+        computed, lost = why_computed(bm, seq, hits)
+    sources = tuple(found + computed)
+    bm.counts.subtract(request.sources)
+    bm.counts.update(sources)
+    request.sources = sources
+    words = source_words(sources, bm.block_size)
+    bm.events.record("prompt", [seq.seq_id], sources=words + lost)
+
+
+def why_computed(bm, seq, hits):
+    """(The reasons of the prompt tokens after the hits, words on an eviction.) The first block
+    missed tells why; those after it miss with it; the last token's block is never looked up."""
+    size = bm.block_size
+    # the block of the last prompt token
+    last = (seq.num_prompt_tokens - 1) // size
+    first = len(hits)
+    computed = []
+    lost = ""
+    if first < last:
+        h = bm._block_hash(seq, first)
+        tokens = bm._tokens(seq, first)
+        parent = hits[-1][1].prefix_id if hits else None
+        # in a tier below (on the device it would be a hit)
+        if bm._lookup(bm.tiers, h, tokens, parent):
+            reason = "not loaded"
+        elif (h, tokens) in bm.evicted:
+            reason = "evicted"
+            lost = f"; block {first} was evicted {bm.evicted[(h, tokens)]}"
+        else:
+            reason = "first seen"
+        computed = [reason] * size + ["after a miss"] * (size * (last - first - 1))
+    num_left = seq.num_prompt_tokens - last * size
+    tail = "last token" if num_left == size else "partial block"
+    return computed + [tail] * num_left, lost
+
+
+def remember_eviction(bm, pool, block, seq):
+    """In bm.evicted: the prefix lost, where, when, for whom (the oldest forgotten past as many
+    as the device pool holds)."""
+    key = (block.hash, block.token_ids)
+    bm.evicted.pop(key, None)
+    whom = f"seq {seq.seq_id}" if seq else "a write-ahead"
+    bm.evicted[key] = f"from the {pool.name} tier at step {bm.events.step} for {whom}"
+    if len(bm.evicted) > bm.num_blocks:
+        bm.evicted.popitem(last=False)
+
+
+def breakdown(sources):
+    """(num_cached_tokens, cached_by_tier, computed_by_reason) of a request's sources, or of the
+    engine's counts."""
+    counts = Counter(sources)
+    by_tier = {t: counts[t] for t in TIERS if counts[t]}
+    by_reason = {r: counts[r] for r in REASONS if counts[r]}
+    return sum(by_tier.values()), by_tier, by_reason
+
+
+def source_words(sources, block_size):
+    """'device 8 (blocks 0, 1), first seen 4 (block 2)': each source's tokens and blocks."""
+    parts = []
+    for source in dict.fromkeys(sources):   # each once, in the prompt's order
+        blocks = sorted({i // block_size for i, s in enumerate(sources) if s == source})
+        noun = "blocks" if len(blocks) > 1 else "block"
+        parts.append(f"{source} {sources.count(source)} ({noun} {_ids(blocks)})")
+    return ", ".join(parts)
 
 
 # A recomputed n>1 (or beam) request. Its samples share the prompt's blocks; preempted by
@@ -1871,8 +1995,8 @@ class BlockCopier:
             kv = kv.to(into.device)
         # an INT8 tier's: quantized on the way down, dequantized on the way up
         into.copy_(to_dtype(kv, into.dtype))
-        # the lower tier's link: of the two, the later in the tiers' order, fastest first
-        link = max(src_tier.name, dst_tier.name, key=("device", "host", "disk").index)
+        # the lower tier's link: of the two, the later in TIERS (fastest first, section 8)
+        link = max(src_tier.name, dst_tier.name, key=TIERS.index)
         # INT8 below: fewer
         self.bytes_moved[link] += self.bytes_per_block[link]
         if link in self.seconds:
@@ -2002,10 +2126,9 @@ class CopyEngine:
         # made: done before the stop; one under way may stop half made. After a failure none no
         # step has seen made is trusted: those before the failed one were made, but the undo
         # drops their blocks too (a failure is rare)
-        lost = []
-        for future, copy in self.started.items():
-            if not future.done() or self.failed is not None:
-                lost.append(copy)
+        # (tier, block) that each copy not made was to write
+        lost = {(copy.dst_tier, copy.dst) for future, copy in self.started.items()
+                if not future.done() or self.failed is not None}
         copier.stop.set()
         for future in self.started:
             # False for the one under way: it ends at its link's next wait
@@ -2016,7 +2139,7 @@ class CopyEngine:
         self.in_flight = {}
         self.started = {}
         self.failed = None
-        return {(dst_tier, dst) for _, _, dst_tier, dst in lost}
+        return lost
 
 
 # async_copies: an idle link copies below the cached blocks next out, WRITE_AHEAD of them (0: no
@@ -2039,10 +2162,8 @@ def write_ahead(bm, through):
     for block_id in next_out:
         if left == 0:
             return
-        block = bm.device.blocks[block_id]
-        if needs_copy_below(bm, lower, block):
+        if write_down_ahead(bm, lower, bm.device.blocks[block_id]):
             left -= 1
-            write_down_ahead(bm, lower, block)
     for seq in list(bm.device.seqs.values()):
         table, start = through.get(seq, (None, 0))
         if table is not seq.block_table:
@@ -2052,22 +2173,17 @@ def write_ahead(bm, through):
             if left == 0:
                 return
             through[seq] = seq.block_table, i + 1
-            block = bm.device.blocks[seq.block_table[i]]
-            if needs_copy_below(bm, lower, block):
+            if write_down_ahead(bm, lower, bm.device.blocks[seq.block_table[i]]):
                 left -= 1
-                write_down_ahead(bm, lower, block)
-
-
-def needs_copy_below(bm, lower, block):
-    """Registered, with no copy in a tier below."""
-    if block.hash is None:
-        return False
-    copies = bm._lookup(lower, block.hash, block.token_ids, block.parent_prefix_id)
-    return not copies
 
 
 def write_down_ahead(bm, lower, block):
-    """Into the first tier below that keeps it, if any."""
+    """A registered block with no copy in a tier below gets one, in the first tier below that
+    keeps it, if any. Returns whether it had none: each such block counts against
+    WRITE_AHEAD_PER_STEP, kept below or not."""
+    copies = bm._lookup(lower, block.hash, block.token_ids, block.parent_prefix_id)
+    if block.hash is None or copies:
+        return False
     tiers = lower
     if block.ref_count > 0:
         # held: only into room right below, evicting nothing there
@@ -2075,6 +2191,7 @@ def write_down_ahead(bm, lower, block):
     below = [t for t in tiers if keeps(t, block)]
     if below:
         bm._write_down(bm.device, block, below[0], "write ahead")
+    return True
 
 
 def open_disk_pool(path, shape, dtype):
@@ -2146,7 +2263,7 @@ UNDO_FIELDS = {
     "PriorityScheduler": "waiting running swapped num_preemptions num_steps_waited",
     "BlockManager": "copies counts",
     "EventLog": "step records",
-    "Request": "status seqs finished hypotheses first_token_time",
+    "Request": "status seqs finished hypotheses first_token_time sources",
     "Sequence": "num_computed_tokens num_cached_tokens block_table waits_for prefill_until "
                 "finish_reason finish_time logprobs cum_logprob",
 }
@@ -2189,7 +2306,7 @@ class Undo:
         llm = self.llm
         # the blocks never copied to, and those the copies given up were to write
         unmade = {(tier, block_id) for _, _, tier, block_id in llm.block_manager.copies}
-        if llm.copy_engine is not None:
+        if llm.copy_engine:
             unmade |= llm.copy_engine.give_up(llm.copier)
         for obj, state in self.states:
             # bm.copies too: empty, as every step starts
@@ -2313,12 +2430,11 @@ def check_logits(llm, logits, to_sample):
     """Logits that are NaN or inf (the model broken) raise before any token is sampled from them,
     naming the step and the requests; the step is undone, as after any error."""
     broken = (~logits.isfinite()).any(-1).tolist()   # (rows,)
-    if not any(broken):
-        return
     ids = {request.request_id
            for (request, _), bad in zip(to_sample, broken) if bad}
-    raise FloatingPointError(f"step {llm.events.step}: requests {_ids(sorted(ids))}: logits "
-                             "are NaN/inf: the model's weights or inputs are broken")
+    if ids:
+        raise FloatingPointError(f"step {llm.events.step}: requests {_ids(sorted(ids))}: "
+                                 "logits are NaN/inf: the model's weights or inputs are broken")
 
 
 def abort(llm, request_ids):
@@ -2335,7 +2451,7 @@ def abort(llm, request_ids):
             request.status = RequestStatus.FINISHED
     # stopped between steps, copies still on their way: given up (however slow the links), and
     # the requests left recompute, as after an undone step (the copies not made never trusted)
-    if llm.copy_engine is not None and not llm.copy_engine.idle():
+    if llm.copy_engine and not llm.copy_engine.idle():
         start_over(llm, llm.copy_engine.give_up(llm.copier))
 
 # ----------------------------------------------------------------------------------------------
@@ -2545,20 +2661,20 @@ class View:
 
     def __enter__(self):
         self.llm.on_step.append(self)
-        if self.live is not None:
+        if self.live:
             self.live.start()
         return self
 
     def __exit__(self, *exc):
         self.llm.on_step.remove(self)
-        if self.live is not None:
+        if self.live:
             # the terminal is the user's again, after Ctrl-C too
             self.live.stop()
             # the last frame stays
             self.console.print(self.live.get_renderable())
 
     def __call__(self, report):
-        if self.live is not None:
+        if self.live:
             self.live.update(self.frame(report, self.console.height), refresh=True)
         else:
             self.console.rule(f"step {report.step}", characters="-")
@@ -2608,7 +2724,7 @@ class View:
                   f"swapped out {s['num_swapped_out_blocks']} in {s['num_swapped_in_blocks']}",
                   f"copies {s['num_cow_copies']}", f"evictions {s['num_evictions']}"]
         # the tiers below: their traffic, in blocks
-        if len(bm.host.blocks) + len(bm.disk.blocks) > 0:
+        if bm.host.blocks or bm.disk.blocks:
             host, disk = (s[f"{t}_prefix_cache_hits"] // bm.block_size for t in ("host", "disk"))
             second += [f"written down {s['num_offloaded_blocks']}",
                        f"loaded {s['num_loaded_blocks']} blocks (host {host}, disk {disk})"]
@@ -2708,6 +2824,10 @@ class View:
             tail = seq.token_ids[-room:] if room else []
             line.append(printable(self.llm._detokenize(tail) or " ".join(map(str, tail)))[-room:])
             lines.append(line)
+            # under a request's first row: its prompt's record (section 8)
+            if seq is request.seqs[0] and request.sources:
+                words = source_words(request.sources, bm.block_size)
+                lines += wrapped(f"{' ' * 11}prompt: {words}", width, "dim", 13)
         return lines
 
 # ----------------------------------------------------------------------------------------------
@@ -2718,7 +2838,9 @@ QUESTIONS = ["What is a cache?", "Why is the sky blue?", "What is a prime number
              "Name a planet.", "What does a scheduler do?"]
 DEMOS = {   # name: what it shows
     "mix": "most of the below in one small pool (the default)",
-    "prefix": "a system prompt computed once, found by later requests (one word changed: none)",
+    "prefix": "a system prompt computed once, found by later requests (one word changed: none); "
+              "why each prompt token missed; in a small pool, a preempted request and an evicted "
+              "prefix",
     "fork": "n=4 samples share their prompt's blocks; the last block is copied on write",
     "beam": "beam search, width 3: beams fork and die on shared blocks",
     "preempt": "five requests, a small pool: swapped out, or recomputed when host blocks run "
@@ -2742,7 +2864,7 @@ DEMO_POOLS = {
     "evict": dict(num_blocks=12),
     "watermark": dict(num_blocks=100),   # a watermark of 1 block
     "tiers": dict(num_blocks=20, num_cpu_blocks=4, num_disk_blocks=12),
-    "prefix": dict(num_blocks=64),
+    "prefix": dict(num_blocks=14),
     "beam": dict(num_blocks=64),
     "batching": dict(num_blocks=64),
     "priority": dict(num_blocks=16, scheduling_policy="priority", priority_aging_steps=3),
@@ -2767,9 +2889,9 @@ def demo_arrivals(name, llm):
         return (s * length)[:length] if length else s
 
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    longer = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    longer = dataclasses.replace(greedy, max_tokens=24)
     samples = SamplingParams(temperature=0.8, n=4, max_tokens=10, ignore_eos=True, seed=0)
-    pair = SamplingParams(temperature=0.8, n=2, max_tokens=24, ignore_eos=True, seed=1)
+    pair = dataclasses.replace(samples, n=2, max_tokens=24, seed=1)
     beams = BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True)
     ask = [text(SYSTEM + q) for q in QUESTIONS]
     # block 0 differs
@@ -2777,12 +2899,14 @@ def demo_arrivals(name, llm):
     every_question = text(SYSTEM + " ".join(QUESTIONS))
     # tiers: two 28-token questions, three requests that push their blocks down, the two again
     back = [text(q, 28) + text(" Say more.") for q in ask[:2]]
-    # priority: a long request of priority 1, then short ones of priority 0, one every 3 steps
-    short = [(3 * i, [text(q)], greedy, [0]) for i, q in enumerate(QUESTIONS * 4)]
+    # priority: a long request of priority 1, then short ones of priority 0 (the default), one
+    # every 3 steps
+    short = [(3 * i, [text(q)], greedy) for i, q in enumerate(QUESTIONS * 4)]
     arrivals = {
         "mix": [(0, ask[:1], samples), (10, ask[1:4], longer), (10, ask[4:], pair),
                 (60, [text(QUESTIONS[0])], beams)],
-        "prefix": [(0, ask[:1], greedy), (12, ask[1:3] + [friendly], greedy)],
+        "prefix": [(0, ask[:1], greedy), (12, ask[1:3] + [friendly], greedy),
+                   (24, [friendly], greedy)],
         "fork": [(0, [text("Write a haiku about memory:")], samples)],
         "beam": [(0, [text("The capital of France is")], beams)],
         "preempt": [(0, ask, longer)],
@@ -2802,11 +2926,11 @@ def demo_pool(name, block_size):
     """A demo's pool: DEMO_POOLS counts 4-token blocks, smaller ones get more."""
     # a block_size < 1 is refused by check_args
     scale = max(1, 4 // max(1, block_size))
-    pool = {}
+    # blocking copies but in overlap (its pool says so): each trace repeats exactly
+    pool = {"async_copies": False}
     for knob, value in DEMO_POOLS[name].items():
         pool[knob] = value * scale if knob.startswith("num_") else value
-    # blocking copies but in overlap: each trace repeats exactly
-    return {"async_copies": False, **pool}
+    return pool
 
 
 def run_arrivals(llm, arrivals):
@@ -2890,8 +3014,9 @@ def engine_knobs(args):
     """The knobs the command line gives LLM: the demo's pool, then each flag given (None: not)."""
     knobs = demo_pool(args.demo, args.block_size)
     for f in dataclasses.fields(EngineArgs):
-        if getattr(args, f.name, None) is not None:
-            knobs[f.name] = getattr(args, f.name)
+        value = getattr(args, f.name, None)   # None: not a flag, or not given
+        if value is not None:
+            knobs[f.name] = value
     links = {"host": args.host_gbps, "disk": args.disk_gbps}
     links = {tier: gbps for tier, gbps in links.items() if gbps is not None}
     if links:

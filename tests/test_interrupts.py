@@ -488,7 +488,7 @@ NOT_SAVED = {
     "PriorityScheduler": "block_manager events eos_token_ids max_num_seqs max_num_batched_tokens "
                          "preemption_mode watermark_blocks aging_steps",
     "BlockManager": "num_blocks block_size enable_prefix_caching events cost tiers device host "
-                    "disk prefix_ids clock",
+                    "disk prefix_ids clock evicted",
     "EventLog": "",
     "Request": "request_id params priority prompt_token_ids generators arrival_time",
     "Sequence": "seq_id request_id index token_ids num_prompt_tokens block_hashes",
