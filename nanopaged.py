@@ -170,7 +170,7 @@ class Request:
     """One prompt and its params: the unit the scheduler admits, preempts and swaps, always whole.
     It starts as one sequence; n>1 samples fork from it as they draw their first tokens."""
 
-    def __init__(self, request_id, token_ids, params, seed, priority=0):
+    def __init__(self, request_id, token_ids, params, seed, priority):
         self.request_id = request_id
         self.params = params
         # lower first, if scheduling_policy="priority" (section 12)
@@ -259,6 +259,11 @@ class Pool:
         return len(self.empty_block_ids) + len(self.cached_block_ids)
 
 
+def distinct_blocks(seqs):
+    """The blocks seqs' tables hold, each once (a block they share too)."""
+    return {b for s in seqs for b in s.block_table}
+
+
 class BlockManager:
     """Hands out the blocks of three tiers, fastest first: the device pool, which attention reads;
     the host pool (swapped-out requests, cached blocks evicted from the device); the disk pool
@@ -273,7 +278,7 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         # what happened, for the view and the trace
-        self.events = EventLog() if events is None else events
+        self.events = events or EventLog()
         # which tiers are worth loading from (the cost rule, section 8); None: all of them
         self.cost = cost
         self.tiers = [Pool("device", num_blocks), Pool("host", num_cpu_blocks),
@@ -389,8 +394,8 @@ class BlockManager:
         self.events.record(kind, [], [block.block_id], pool,
                            [dst.block_id], below)
 
-    def _allocate_block(self, pool, seq):
-        block = self._get_new_block(pool, seq)
+    def _allocate_block(self, seq):   # a new device block for seq
+        block = self._get_new_block(self.device, seq)
         block.ref_count = 1
         return block.block_id
 
@@ -400,10 +405,13 @@ class BlockManager:
         block.ref_count += 1
 
     def _release(self, pool, block):
+        """One holder fewer; with none left the block is cached if registered, else empty."""
         block.ref_count -= 1
-        if block.ref_count == 0 and block.hash is not None:
+        if block.ref_count > 0:
+            return
+        if block.hash is not None:
             self._cache(pool, block)
-        elif block.ref_count == 0:
+        else:
             pool.empty_block_ids.append(block.block_id)
 
     def _cache(self, pool, block):   # the most recently cached: evicted last
@@ -414,10 +422,10 @@ class BlockManager:
         """Move a lower tier's block that seq holds up into a new device block (returned): its K/V
         are copied up, its place in the prefix cache goes with them."""
         # evicting first, if it must
-        block_id = self._allocate_block(self.device, seq)
+        block_id = self._allocate_block(seq)
         self.copies.append(BlockCopy(pool, block.block_id,
                                      self.device, block_id))
-        self.events.record("load", [seq.seq_id], [block.block_id], pool,
+        self.events.record("load", [seq], [block.block_id], pool,
                            [block_id], self.device,
                            why=load_figures(self, pool))
         self._register(self.device, self.device.blocks[block_id], like=block)
@@ -438,7 +446,7 @@ class BlockManager:
         seq.num_computed_tokens = min(len(seq), len(shared) * self.block_size)
         seq.block_table = list(shared)
         while len(seq.block_table) < self._num_blocks_for(len(seq)):
-            seq.block_table.append(self._allocate_block(self.device, seq))
+            seq.block_table.append(self._allocate_block(seq))
         self.device.seqs[seq.seq_id] = seq
 
     def can_allocate(self, seq, watermark=0, siblings=()):
@@ -468,7 +476,7 @@ class BlockManager:
         # a hit ends before the last token
         seq.num_cached_tokens = seq.num_computed_tokens
         if hits:
-            self.events.record("prefix hit", [seq.seq_id], shared,
+            self.events.record("prefix hit", [seq], shared,
                                num_tokens=seq.num_cached_tokens)
         if self.enable_prefix_caching:
             self.counts["prefix_cache_queries"] += len(seq)
@@ -492,17 +500,17 @@ class BlockManager:
         """Make sure the slot of seq's last token exists and may be written. Returns (src, dst)
         when a shared block had to be copied first (copy-on-write), else None."""
         if self._needs_new_block(seq):
-            seq.block_table.append(self._allocate_block(self.device, seq))
+            seq.block_table.append(self._allocate_block(seq))
         elif self._needs_copy(seq):
             # shared and partly filled: this writer gets its own copy
             src = self.device.blocks[seq.block_table[-1]]
-            dst = self._allocate_block(self.device, seq)
+            dst = self._allocate_block(seq)
             self.copies.append(BlockCopy(self.device, src.block_id,
                                          self.device, dst))
             self._release(self.device, src)
             seq.block_table[-1] = dst
             self.counts["num_cow_copies"] += 1
-            self.events.record("copy", [seq.seq_id], [src.block_id],
+            self.events.record("copy", [seq], [src.block_id],
                                to_ids=[dst])
             return src.block_id, dst
         return None
@@ -515,7 +523,7 @@ class BlockManager:
             self._hold(self.device, self.device.blocks[block_id])
         # its hash chain: computed as asked for, _block_hash
         self._set_table(child, shared)
-        self.events.record("fork", [child.seq_id], shared,
+        self.events.record("fork", [child], shared,
                            parent=parent.seq_id)
 
     def free(self, seq, coming_back=False):
@@ -578,8 +586,7 @@ class BlockManager:
     #    distinct block once, so that the blocks they share stay shared
     def can_swap_out(self, *seqs):
         """Each distinct block once (cached host blocks go down to disk)."""
-        distinct = {b for s in seqs for b in s.block_table}
-        return len(distinct) <= self.host.num_free_blocks
+        return len(distinct_blocks(seqs)) <= self.host.num_free_blocks
 
     def can_swap_in(self, *seqs, watermark=0):
         """Room for the distinct blocks and what the next step writes: a new block for each whose
@@ -589,7 +596,7 @@ class BlockManager:
         last = [s.block_table[-1] for s in writers if s not in new]
         copies = sum(min(last.count(b), self.host.blocks[b].ref_count - 1)
                      for b in set(last))
-        distinct = {b for s in seqs for b in s.block_table}
+        distinct = distinct_blocks(seqs)
         return self.num_free_blocks - len(distinct) - len(new) - copies >= watermark
 
     def swap_out(self, *seqs):
@@ -615,14 +622,15 @@ class BlockManager:
                 if src.blocks[block_id].hash is not None:
                     # its copy is found there too
                     self._register(dst, dst.blocks[new], like=src.blocks[block_id])
-        self.events.record(kind, [s.seq_id for s in seqs],
+        self.events.record(kind, seqs,
                            mapping.keys(), src,
                            mapping.values(), dst)
         for seq in seqs:
             for i in reversed(range(len(seq.block_table))):
-                self._hold(dst, dst.blocks[mapping[seq.block_table[i]]])
-                self._release(src, src.blocks[seq.block_table[i]])
-                seq.block_table[i] = mapping[seq.block_table[i]]
+                block_id = seq.block_table[i]
+                self._hold(dst, dst.blocks[mapping[block_id]])
+                self._release(src, src.blocks[block_id])
+                seq.block_table[i] = mapping[block_id]
             dst.seqs[seq.seq_id] = src.seqs.pop(seq.seq_id)
         self.counts[counter] += len(mapping)
         return list(mapping.items())
@@ -676,7 +684,7 @@ class Scheduler:
     served here; a PriorityScheduler (section 12) ranks by priority first, and the same code
     serves it. A sequence short of a block preempts the last running request in rank."""
 
-    def __init__(self, block_manager, args, eos_token_ids=()):
+    def __init__(self, block_manager, args, eos_token_ids):
         self.block_manager = block_manager
         # one log for the pool and the schedule
         self.events = block_manager.events
@@ -706,10 +714,6 @@ class Scheduler:
     def enqueue(self, line, request):
         """Into waiting, running or swapped, in rank order."""
         bisect.insort(line, request, key=self.rank)
-
-    def _watermark(self):
-        """With nothing running no decode can starve: a request may fill the pool."""
-        return self.watermark_blocks if self.running else 0
 
     def _start_running(self, request, batch):
         """The request runs: its sequences with tokens to compute join batch."""
@@ -760,20 +764,22 @@ class Scheduler:
                            for r in [*self.running, request])
             if num_seqs > self.max_num_seqs:
                 break
+            # the blocks it must leave free; with nothing running no decode can starve: a
+            # request may fill the pool
+            watermark = self.watermark_blocks if self.running else 0
             # a swapped request's swap-in may start though the step has no budget left:
             # a prefetch
             if request.status is RequestStatus.SWAPPED:
-                if not bm.can_swap_in(*request.seqs, watermark=self._watermark()):
+                if not bm.can_swap_in(*request.seqs, watermark=watermark):
                     break
                 self.swapped.remove(request)
                 bm.swap_in(*request.seqs)
                 self._start_running(request, batch)
                 continue
-            if not bm.can_allocate(leader, self._watermark(), others):
+            if not bm.can_allocate(leader, watermark, others):
                 # it fits, but would leave too few blocks free
                 if bm.can_allocate(leader, 0, others):
-                    self.events.record("watermark", [leader.seq_id],
-                                       num_blocks=self._watermark())
+                    self.events.record("watermark", [leader], num_blocks=watermark)
                 break
             self.waiting.popleft()
             self._admit(request, batch)
@@ -807,7 +813,7 @@ class Scheduler:
             return "recompute", ""
         if not bm.can_swap_out(*request.seqs):
             return "recompute", "no room for its blocks in the host pool"
-        if self.preemption_mode == "swap" or bm.cost is None:
+        if self.preemption_mode == "swap":
             return "swap", ""
         # auto: the cost rule (section 8)
         return bm.cost.cheaper_mode(bm, request)
@@ -818,8 +824,8 @@ class Scheduler:
         why = ""
         if mode is None:
             mode, why = self._choose_mode(request)
-        self.events.record("preempt", [s.seq_id for s in request.seqs],
-                           sorted({b for s in request.seqs for b in s.block_table}),
+        self.events.record("preempt", request.seqs,
+                           sorted(distinct_blocks(request.seqs)),
                            mode=mode,
                            why=f" ({why})" if why else "")
         self.running.remove(request)
@@ -880,7 +886,7 @@ class Scheduler:
     def finish(self, request, seq, reason):
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()
-        self.events.record("finish", [seq.seq_id], seq.block_table,
+        self.events.record("finish", [seq], seq.block_table,
                            reason=reason)
         self.block_manager.free(seq)
         request.seqs.remove(seq)
@@ -1244,12 +1250,12 @@ def is_int(x):
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def is_count(x, low):   # an int from low to MAX_COUNT
-    return is_int(x) and low <= x <= MAX_COUNT
-
-
 def is_number(x):   # a finite int or float
     return (is_int(x) or isinstance(x, float)) and math.isfinite(x)
+
+
+def is_list(x):   # a list or a tuple
+    return isinstance(x, (list, tuple))
 
 
 # logits / temperature overflow float32 near 1e-38; 0 means greedy
@@ -1263,6 +1269,14 @@ MAX_COUNT = 2**31 - 1
 # the slowest link emulated, a byte a second (1e-300: past any timer)
 MIN_GBPS = 1e-9
 FLOATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def count_rule(low, none=""):
+    """ARG_RULES' rule for a count: an int from low to MAX_COUNT; none: "None or " where the
+    knob's default is None."""
+    allowed = f"{none}an int in [{low}, {MAX_COUNT}]"
+    return lambda x: is_int(x) and low <= x <= MAX_COUNT, allowed
+
 
 # every knob of EngineArgs, SamplingParams and BeamSearchParams checked on its own: (is a value
 # allowed?, what is allowed). None, where a knob's default is None, means the default
@@ -1290,18 +1304,17 @@ ARG_RULES = {
         for k, v in x.items()),
                   f"None or a dict of GB/s >= {MIN_GBPS} (a byte a second) by tier, such as "
                   "{'host': 16, 'disk': 2}"),
-    "watermark_blocks": (lambda x: is_count(x, 0), f"None or an int in [0, {MAX_COUNT}]"),
+    "watermark_blocks": count_rule(0, "None or "),
     # the rules several knobs share
     **dict.fromkeys(["kv_cache_dtype", "offload_kv_cache_dtype"],
                     (lambda x: x in ("auto", "int8"), "'auto' (the model's dtype) or 'int8'")),
     # None: num_blocks from a memory budget, max_model_len the model's
-    **dict.fromkeys(["num_blocks", "max_model_len"],
-                    (lambda x: is_count(x, 1), f"None or an int in [1, {MAX_COUNT}]")),
+    **dict.fromkeys(["num_blocks", "max_model_len"], count_rule(1, "None or ")),
     # top_k 0: every token; priority_aging_steps 0: no aging
     **dict.fromkeys(["num_cpu_blocks", "num_disk_blocks", "top_k", "priority_aging_steps"],
-                    (lambda x: is_count(x, 0), f"an int in [0, {MAX_COUNT}]")),
+                    count_rule(0)),
     **dict.fromkeys(["max_num_seqs", "max_num_batched_tokens", "max_tokens", "n", "beam_width"],
-                    (lambda x: is_count(x, 1), f"an int in [1, {MAX_COUNT}]")),
+                    count_rule(1)),
     **dict.fromkeys(["enable_prefix_caching", "ignore_eos", "live", "async_copies"],
                     (lambda x: isinstance(x, bool), "a bool")),
 }
@@ -1394,7 +1407,7 @@ def tokenize(llm, prompt):
         require(llm.tokenizer is not None,
                 "this model has no tokenizer (random weights): give prompts as token-id lists")
         return llm.tokenizer.encode(prompt, add_special_tokens=False)
-    require(isinstance(prompt, (list, tuple)),
+    require(is_list(prompt),
             f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
     return list(prompt)
 
@@ -1403,17 +1416,16 @@ def checked_requests(llm, prompts, params, kind, priority=None):
     """[(token_ids, params, priority)] for add_requests, every one checked (a ValueError)."""
     require(kind in (SamplingParams, BeamSearchParams),
             f"kind must be SamplingParams or BeamSearchParams, got {kind!r}")
-    one_prompt = (isinstance(prompts, (list, tuple)) and len(prompts) > 0
-                  and is_int(prompts[0]))
+    one_prompt = is_list(prompts) and len(prompts) > 0 and is_int(prompts[0])
     if isinstance(prompts, str) or one_prompt:
         prompts = [prompts]
-    require(isinstance(prompts, (list, tuple)), "prompts must be a string, a list of strings "
+    require(is_list(prompts), "prompts must be a string, a list of strings "
             f"or of token-id lists, got {type(prompts).__name__}")
     # None: SamplingParams() for generate; beam_search has no default (the loop below refuses)
     if params is None and kind is SamplingParams:
         params = SamplingParams()
     # one for all, or a list or tuple of one per prompt
-    if not isinstance(params, (list, tuple)):
+    if not is_list(params):
         params = [params] * len(prompts)
     require(len(params) == len(prompts),
             f"params: {len(params)} for {len(prompts)} prompts; give one, or one per prompt")
@@ -1422,7 +1434,7 @@ def checked_requests(llm, prompts, params, kind, priority=None):
                 f"{type(p).__name__} (generate takes SamplingParams, beam_search takes "
                 "BeamSearchParams)")
     priority = [0] * len(prompts) if priority is None else priority
-    require(isinstance(priority, (list, tuple)) and len(priority) == len(prompts)
+    require(is_list(priority) and len(priority) == len(prompts)
             and all(map(is_int, priority)),
             f"priority: one int per prompt ({len(prompts)} prompts), got {priority!r}")
     require(isinstance(llm.scheduler, PriorityScheduler) or not any(priority),
@@ -1541,19 +1553,20 @@ EVENT_WORDS = {
     "fork": "seq {seqs} forks from seq {parent}: blocks {blocks} shared",
     "copy": "seq {seqs} copies shared block {blocks} to block {to} before writing "
             "(copy-on-write)",
-    "evict": "{tier} block {blocks} is evicted from the prefix cache (cached, held by nobody)",
-    "write down": "{tier} block {blocks} evicted, its K/V written down to {to_tier} block {to}",
-    "write ahead": "{tier} block {blocks} written down ahead (it stays) to {to_tier} block "
-                   "{to}",
-    "drop": "{tier} block {blocks} evicted; its copy stays, in {to_tier} block {to}",
-    "load": "seq {seqs} finds block {blocks} in the {tier} tier: loaded into block {to}{why}",
+    "evict": "{tier.name} block {blocks} is evicted from the prefix cache (cached, held by nobody)",
+    "write down": "{tier.name} block {blocks} evicted, its K/V written down to "
+                  "{to_tier.name} block {to}",
+    "write ahead": "{tier.name} block {blocks} written down ahead (it stays) to "
+                   "{to_tier.name} block {to}",
+    "drop": "{tier.name} block {blocks} evicted; its copy stays, in {to_tier.name} block {to}",
+    "load": "seq {seqs} finds block {blocks} in the {tier.name} tier: loaded into block {to}{why}",
     "swap out": "seq {seqs} swapped out: blocks {blocks} to host blocks {to}",
     "swap in": "seq {seqs} swapped in: host blocks {blocks} to blocks {to}",
     "preempt": "seq {seqs} preempted by {mode}: blocks {blocks} taken back{why}",
     "finish": "seq {seqs} finishes ({reason}): blocks {blocks} released",
     "watermark": "seq {seqs} waits: it fits, but the watermark keeps {num_blocks} free for "
                  "decodes",
-    "copies made": "copies made in the background: {num_copies}{arrived}",
+    "copies made": "copies made in the background: {num_copies}",
     "loading": "seq {seqs} sits this step out (loading): its blocks are still in flight",
 }
 
@@ -1566,11 +1579,10 @@ class Event(namedtuple("Event", "step kind seq_ids block_ids tier to_ids to_tier
     say, by name. Ids as tuples."""
 
     def words(self):
-        tier = getattr(self.tier, "name", None)
-        to_tier = getattr(self.to_tier, "name", None)
         return EVENT_WORDS[self.kind].format(seqs=_ids(self.seq_ids),
                                              blocks=_ids(self.block_ids), to=_ids(self.to_ids),
-                                             tier=tier, to_tier=to_tier, **self.details)
+                                             tier=self.tier, to_tier=self.to_tier,
+                                             **self.details)
 
 
 @dataclass
@@ -1579,9 +1591,11 @@ class EventLog:
     step: int = 0   # the step the engine is in, stamped on each record
     records: list = field(default_factory=list)   # of Event
 
-    def record(self, kind, seq_ids=(), block_ids=(), tier=None,
+    def record(self, kind, seqs=(), block_ids=(), tier=None,
                to_ids=(), to_tier=None, **details):
-        event = Event(self.step, kind, tuple(seq_ids), tuple(block_ids), tier,
+        """An Event of kind: the Sequences it concerns (named by their ids), the rest as Event's."""
+        seq_ids = tuple(s.seq_id for s in seqs)
+        event = Event(self.step, kind, seq_ids, tuple(block_ids), tier,
                       tuple(to_ids), to_tier, details)
         self.records.append(event)
 
@@ -1755,7 +1769,7 @@ def explain_prompt(bm, request):   # Scheduler._admit's, before allocate
     bm.counts.update(sources)
     request.sources = sources
     words = source_words(sources, bm.block_size)
-    bm.events.record("prompt", [seq.seq_id], sources=words + lost)
+    bm.events.record("prompt", [seq], sources=words + lost)
 
 
 def why_computed(bm, seq, hits):
@@ -1906,13 +1920,13 @@ class CostModel:
     def cheaper_mode(self, bm, request):
         """(mode, the rule's figures, as the trace tells them) for preemption_mode='auto'."""
         # a recompute computes the leader whole, the others past what they share
-        leader = request.seqs[0]
+        leader, *others = request.seqs
         num_tokens = len(leader)
-        for s in request.seqs[1:]:
+        for s in others:
             num_tokens += len(s) - bm.block_size * num_shared(bm, leader, s)
-        num_blocks = len({b for s in request.seqs for b in s.block_table})
+        num_blocks = len(distinct_blocks(request.seqs))
         # out, then back in
-        swap_seconds = 2 * num_blocks * self.seconds_per_block[bm.host.name]
+        swap_seconds = 2 * num_blocks * self.seconds_per_block["host"]
         recompute_seconds = num_tokens * self.seconds_per_token
         mode = "swap" if swap_seconds < recompute_seconds else "recompute"
         return mode, (f"copy 2 x {num_blocks} blocks {ms(swap_seconds)}, recompute "
@@ -2052,17 +2066,19 @@ class CopyEngine:
             # the link idle: write ahead
             write_ahead(llm.block_manager, self.through)
         while copies:
-            src_tier, src, dst_tier, dst = copies[0]
+            # it leaves the queue once queued on the worker (or made)
+            copy = copies[0]
+            src_tier, src, dst_tier, dst = copy
             keys = [(src_tier.name, src), (dst_tier.name, dst)]
             if src_tier is dst_tier:
                 # copy-on-write: after what is in flight on its blocks
                 self.wait({self.in_flight[key] for key in keys if key in self.in_flight})
-                llm.copier.copy(*copies[0])
+                llm.copier.copy(*copy)
             else:   # (a Ctrl-C anywhere here: the undo gives up whatever was queued)
                 ready = torch.cuda.current_stream().record_event() if self.stream else None
-                future = self.worker.submit(self.make, llm.copier, copies[0], ready)
+                future = self.worker.submit(self.make, llm.copier, copy, ready)
                 self.in_flight.update(dict.fromkeys(keys, future))
-                self.started[future] = copies[0]
+                self.started[future] = copy
             copies.popleft()
         # the copies each request waits for (none queued or on its way: nobody waits)
         waits = {}
@@ -2080,23 +2096,19 @@ class CopyEngine:
         for request, futures in waits.items():
             if futures & unmade:
                 batch.remove(request)
-                llm.events.record("loading", [s.seq_id for s in request.seqs])
+                llm.events.record("loading", request.seqs)
         return batch
 
     def record_made(self, events, unmade):
         """Forget the copies made (all but unmade's), and tell the trace how many."""
-        made = [copy for future, copy in self.started.items()
-                if future not in unmade]
+        num_made = len(self.started) - len(unmade)
         self.started = {future: copy for future, copy in self.started.items()
                         if future in unmade}
         self.in_flight = {key: f for key, f in self.in_flight.items()
                           if f in unmade}
-        if not made:
-            return
-        arrived = _ids([dst for _, _, dst_tier, dst in made
-                        if dst_tier.name == "device"])
-        arrived = f" (device blocks {arrived} arrived)" if arrived else ""
-        events.record("copies made", num_copies=len(made), arrived=arrived)
+        # (the view shows which: a block in flight is marked ~ until its copy is made)
+        if num_made:
+            events.record("copies made", num_copies=num_made)
 
     def loading(self, request):
         """The copies (Futures) its device blocks still wait for: those that write one, or read
@@ -2158,13 +2170,13 @@ def write_ahead(bm, through):
     through: seq -> (its table, blocks looked at), kept from step to step."""
     lower = tiers_below(bm, bm.device)
     left = WRITE_AHEAD_PER_STEP
-    next_out = list(itertools.islice(bm.device.cached_block_ids, WRITE_AHEAD))
-    for block_id in next_out:
+    # the cached blocks next out first
+    for block_id in itertools.islice(bm.device.cached_block_ids, WRITE_AHEAD):
         if left == 0:
             return
         if write_down_ahead(bm, lower, bm.device.blocks[block_id]):
             left -= 1
-    for seq in list(bm.device.seqs.values()):
+    for seq in bm.device.seqs.values():
         table, start = through.get(seq, (None, 0))
         if table is not seq.block_table:
             # a new table: freed, allocated again
@@ -2215,7 +2227,12 @@ def open_disk_pool(path, shape, dtype):
         raise ValueError(f"disk_path {path!r}: cannot create it ({e.strerror})") from None
     num_bytes = math.prod(shape) * dtype.itemsize
     try:
-        reserve(fd, num_bytes)
+        # the space taken now. An OS without posix_fallocate gets a sparse file: a full disk
+        # fails later there
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, num_bytes)
+        else:
+            os.ftruncate(fd, num_bytes)
     except (OSError, OverflowError) as e:
         # no room; or more bytes than a file may have
         folder = os.path.dirname(os.path.abspath(path))
@@ -2231,15 +2248,6 @@ def open_disk_pool(path, shape, dtype):
         # the name goes at once, mapped or not: nothing outlives the engine
         os.close(fd)
         os.remove(path)
-
-
-def reserve(fd, num_bytes):
-    """The file's space, taken now. An OS without posix_fallocate gets a sparse file: a full
-    disk fails later there."""
-    if hasattr(os, "posix_fallocate"):
-        os.posix_fallocate(fd, 0, num_bytes)
-    else:
-        os.ftruncate(fd, num_bytes)
 
 # ----------------------------------------------------------------------------------------------
 # 10. Failure recovery: a step that raises (an error, Ctrl-C) is undone
@@ -2550,7 +2558,7 @@ def beam_output(llm, request):
 class PriorityScheduler(Scheduler):
     """A Scheduler whose lines are ranked by (effective priority, arrival): see above."""
 
-    def __init__(self, block_manager, args, eos_token_ids=()):
+    def __init__(self, block_manager, args, eos_token_ids):
         super().__init__(block_manager, args, eos_token_ids)
         self.aging_steps = args.priority_aging_steps
         # request_id -> steps it spent waiting or swapped out
@@ -2655,9 +2663,7 @@ class View:
                                    Console(highlight=False, color_system=None, width=80))
         # live: rich's Live, which keeps the frame it shows, on the terminal's own screen (what
         # was printed before, loading, stays off it), started on entering; a trace: None
-        self.live = None
-        if live:
-            self.live = Live(console=self.console, auto_refresh=False, screen=True)
+        self.live = Live(console=self.console, auto_refresh=False, screen=True) if live else None
 
     def __enter__(self):
         self.llm.on_step.append(self)
@@ -2775,7 +2781,7 @@ class View:
                              f"bold {hue}" if b.ref_count > 1 else hue)
         return cells
 
-    def pools(self, width, max_rows=None):
+    def pools(self, width, max_rows):
         """Each tier's rows of cells, then a key to the symbols."""
         tiers = [pool for pool in self.llm.block_manager.tiers if pool.blocks]
         n = 64 if width >= 76 else 32   # cells a row
@@ -2801,33 +2807,35 @@ class View:
     def sequences(self, width):
         """A row per live sequence: K/V, table, text."""
         bm, sched = self.llm.block_manager, self.llm.scheduler
-        rows = [(r, s) for r in [*sched.running, *sched.swapped, *sched.waiting] for s in r.seqs]
         # under scheduling_policy="priority", each request's priority: effective (as given)
         ranked = isinstance(sched, PriorityScheduler)
         header = (f"{'seq':>5} {'req':>4}{'  priority' if ranked else ''}  {'state':<8} "
                   f"{'K':>4}/{'V':<4}  ")
         lines = [Text(f"{header}{'block table':<26} text", "bold")]
-        for request, seq in rows:
+        for request in [*sched.running, *sched.swapped, *sched.waiting]:
             pool = bm.host if request.status is RequestStatus.SWAPPED else bm.device
             # a table into the host: host[...]
             where = "" if pool is bm.device else pool.name
-            table = where + table_text(pool.blocks, seq.block_table, 26 - len(where))
-            line = Text(f"{seq.seq_id:>5} {seq.request_id:>4}", HOLDER_COLOURS[seq.request_id % 8])
-            if ranked:
-                line.append(f"  {sched.rank(request)[0]:>3} ({request.priority:>2})")
             state = request.status.value
             # loading: its blocks in flight (section 9)
             if self.llm.copy_engine and self.llm.copy_engine.loading(request):
                 state = "loading"
-            line.append(f"  {state:<8} {seq.num_written_tokens:>4}/{len(seq):<4}  {table:<26} ")
-            room = max(0, width - len(line))
-            tail = seq.token_ids[-room:] if room else []
-            line.append(printable(self.llm._detokenize(tail) or " ".join(map(str, tail)))[-room:])
-            lines.append(line)
-            # under a request's first row: its prompt's record (section 8)
-            if seq is request.seqs[0] and request.sources:
-                words = source_words(request.sources, bm.block_size)
-                lines += wrapped(f"{' ' * 11}prompt: {words}", width, "dim", 13)
+            for seq in request.seqs:
+                table = where + table_text(pool.blocks, seq.block_table, 26 - len(where))
+                line = Text(f"{seq.seq_id:>5} {seq.request_id:>4}",
+                            HOLDER_COLOURS[seq.request_id % 8])
+                if ranked:
+                    line.append(f"  {sched.rank(request)[0]:>3} ({request.priority:>2})")
+                line.append(f"  {state:<8} {seq.num_written_tokens:>4}/{len(seq):<4}  {table:<26} ")
+                room = max(0, width - len(line))
+                tail = seq.token_ids[-room:] if room else []
+                line.append(printable(self.llm._detokenize(tail)
+                                      or " ".join(map(str, tail)))[-room:])
+                lines.append(line)
+                # under a request's first row: its prompt's record (section 8)
+                if seq is request.seqs[0] and request.sources:
+                    words = source_words(request.sources, bm.block_size)
+                    lines += wrapped(f"{' ' * 11}prompt: {words}", width, "dim", 13)
         return lines
 
 # ----------------------------------------------------------------------------------------------
@@ -2889,6 +2897,11 @@ def demo_arrivals(name, llm):
         return (s * length)[:length] if length else s
 
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def one_every(steps, prompts):
+        """A greedy request every `steps` steps, one per prompt."""
+        return [(steps * i, [prompt], greedy) for i, prompt in enumerate(prompts)]
+
     longer = dataclasses.replace(greedy, max_tokens=24)
     samples = SamplingParams(temperature=0.8, n=4, max_tokens=10, ignore_eos=True, seed=0)
     pair = dataclasses.replace(samples, n=2, max_tokens=24, seed=1)
@@ -2898,10 +2911,11 @@ def demo_arrivals(name, llm):
     friendly = text(SYSTEM.replace("helpful", "friendly") + QUESTIONS[0])
     every_question = text(SYSTEM + " ".join(QUESTIONS))
     # tiers: two 28-token questions, three requests that push their blocks down, the two again
-    back = [text(q, 28) + text(" Say more.") for q in ask[:2]]
+    two_questions = [text(q, 28) for q in ask[:2]]
+    back = [q + text(" Say more.") for q in two_questions]
     # priority: a long request of priority 1, then short ones of priority 0 (the default), one
     # every 3 steps
-    short = [(3 * i, [text(q)], greedy) for i, q in enumerate(QUESTIONS * 4)]
+    short = one_every(3, map(text, QUESTIONS * 4))
     arrivals = {
         "mix": [(0, ask[:1], samples), (10, ask[1:4], longer), (10, ask[4:], pair),
                 (60, [text(QUESTIONS[0])], beams)],
@@ -2910,13 +2924,12 @@ def demo_arrivals(name, llm):
         "fork": [(0, [text("Write a haiku about memory:")], samples)],
         "beam": [(0, [text("The capital of France is")], beams)],
         "preempt": [(0, ask, longer)],
-        "evict": [(12 * i, [prompt], greedy) for i, prompt in enumerate(ask[:4] + ask[3:4])],
-        "batching": [(3 * i, [prompt], greedy) for i, prompt in enumerate(ask[:4])],
+        "evict": one_every(12, ask[:4] + ask[3:4]),
+        "batching": one_every(3, ask[:4]),
         "chunked": [(0, ask[:1], longer), (2, [every_question], greedy)],
         # 200 tokens (50 blocks), then 196 (49): at step 2 the first has taken its 51st block
         "watermark": [(0, [text(ask[0], 200)], greedy), (1, [text(QUESTIONS[1], 196)], greedy)],
-        "tiers": [(0, [text(q, 28) for q in ask[:2]], greedy), (12, ask[2:], greedy),
-                  (24, back, greedy)],
+        "tiers": [(0, two_questions, greedy), (12, ask[2:], greedy), (24, back, greedy)],
         "priority": [(0, ask[:1], longer, [1])] + short,
     }
     return arrivals[name.replace("overlap", "tiers")]
