@@ -1725,9 +1725,10 @@ def keeps(tier, block):
 # REASONS. A hit is a chain of whole blocks, so the first block that misses tells why: it was
 # never cached, or it was cached and evicted (bm.evicted: the prefixes lost lately, ARC's ghost
 # list), or it sits below the device, not loaded; every block after it misses with it. A request
-# preempted by recompute is admitted again: the prompt tokens it finds keep their record, those
-# it computes again are recomputed. The engine's counts (bm.counts, by the same names) are the
-# requests' sums.
+# preempted by recompute is admitted again: the prompt tokens it finds keep their record; the
+# others are recomputed if it had computed its whole prompt (preempted in the middle of its
+# prefill, they get the cache's reasons, as at its first admission). The engine's counts
+# (bm.counts, by the same names) are the requests' sums.
 
 TIERS = ["device", "host", "disk"]
 REASONS = [
@@ -1742,7 +1743,9 @@ REASONS = [
     # request holds it
     "not loaded",
     "after a miss",     # a block before it missed: a hit is a prefix
-    "recomputed",       # computed again, after a preemption by recompute (or an undone step)
+    # computed again: its whole prompt was computed before a preemption by recompute (or an
+    # undone step)
+    "recomputed",
 ]
 
 
@@ -1761,6 +1764,8 @@ def explain_prompt(bm, request):   # Scheduler._admit's, before allocate
     lost = ""
     if request.sources:   # admitted again: what it finds keeps its record
         found = list(request.sources[:len(found)])
+    # its whole prompt computed before: what it computes now is computed again
+    if request.past_first_token:
         computed = ["recomputed"] * num_computed
     elif bm.enable_prefix_caching:
         computed, lost = why_computed(bm, seq, hits)
@@ -1768,8 +1773,8 @@ def explain_prompt(bm, request):   # Scheduler._admit's, before allocate
     bm.counts.subtract(request.sources)
     bm.counts.update(sources)
     request.sources = sources
-    words = source_words(sources, bm.block_size)
-    bm.events.record("prompt", [seq], sources=words + lost)
+    # in the trace's words: each source's tokens and blocks, then an eviction's when, where, whom
+    bm.events.record("prompt", [seq], sources=source_words(sources, bm.block_size) + lost)
 
 
 def why_computed(bm, seq, hits):
@@ -2473,8 +2478,9 @@ def abort(llm, request_ids):
 BeamCandidate = namedtuple("BeamCandidate", "cum_logprob beam token")
 # a hypothesis: a beam that ended (eos, or max_tokens)
 BeamHypothesis = namedtuple("BeamHypothesis", "token_ids cum_logprob finish_reason")
-# what beam_search() returns: its sequences best first
-BeamSearchOutput = namedtuple("BeamSearchOutput", "request_id prompt_token_ids sequences")
+# what beam_search() returns: its sequences best first; its prompt's record, as RequestOutput's
+BeamSearchOutput = namedtuple("BeamSearchOutput", "request_id prompt_token_ids sequences "
+                              "num_cached_tokens cached_by_tier computed_by_reason")
 BeamSearchSequence = namedtuple("BeamSearchSequence",
                                 "token_ids text cum_logprob score finish_reason")
 
@@ -2532,7 +2538,8 @@ def beam_output(llm, request):
                  for h in best]
     # an eos ends a hypothesis without joining a beam: it counts only if it is returned
     llm.num_generated_tokens += sum(1 for s in sequences if s.finish_reason == "stop")
-    return BeamSearchOutput(request.request_id, request.prompt_token_ids, sequences)
+    return BeamSearchOutput(request.request_id, request.prompt_token_ids, sequences,
+                            *breakdown(request.sources))
 
 # ----------------------------------------------------------------------------------------------
 # 12. Priorities and aging: who goes first, and who gives up memory

@@ -181,6 +181,47 @@ def test_a_request_preempted_by_recompute_keeps_what_it_finds_and_the_rest_is_re
     assert_no_block_held(llm)
 
 
+def test_a_request_preempted_in_the_middle_of_its_prefill_gets_the_caches_reasons():
+    """Chunked prefill (4 tokens a step) preempted by recompute after 12 of its 36 prompt tokens:
+    admitted again it finds blocks 0-2 (their first record kept), and what it computes now was
+    never computed: block 3 first seen, 4-7 after a miss, 8 the last token's; none recomputed."""
+    llm = engine(num_blocks=12, max_num_batched_tokens=4, preemption_mode="recompute",
+                 watermark_blocks=0)
+    first_id, second_id = llm.add_requests(
+        [ids(0, 8), ids(1, 36)], [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                                  SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)])
+    request = llm.requests[second_id]
+    leader = request.seqs[0]
+    computed, words = [], []
+    while llm.scheduler.has_unfinished():
+        before = leader.num_computed_tokens
+        report = llm.step()
+        for e in report.events:
+            if e.kind == "preempt" and e.seq_ids == (leader.seq_id,):
+                computed.append(before)
+            if e.kind == "prompt" and e.seq_ids == (leader.seq_id,):
+                words.append(e.words())
+    assert computed == [12] and len(words) == 2
+    assert words[1].endswith("'s prompt: first seen 8 (blocks 0, 3), after a miss 24 (blocks 1, 2, "
+                             "4-7), last token 4 (block 8)")
+    assert record(llm.output(second_id)) == (0, {}, {"first seen": 8, "after a miss": 24,
+                                                     "last token": 4})
+    llm.output(first_id)
+    assert_no_block_held(llm)
+
+
+def test_beam_search_outputs_carry_their_prompts_record():
+    """Beam search requests are counted as the others: each output's record adds up to its
+    prompt, and the engine's sums are the outputs'."""
+    llm = engine(num_blocks=32)
+    prompt = ids(0, 14)
+    outs = llm.beam_search([prompt, prompt[:8] + ids(1, 6)],
+                           nanopaged.BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))
+    assert record(outs[0]) == (0, {}, {"first seen": 4, "after a miss": 8, "partial block": 2})
+    sums(outs, llm.stats())
+    assert_no_block_held(llm)
+
+
 PRESSURE = {
     "roomy": dict(num_blocks=256),
     "swap": dict(num_blocks=24, num_cpu_blocks=64, preemption_mode="swap"),
