@@ -40,6 +40,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import io
 import itertools
 import math
 import os
@@ -2845,6 +2846,14 @@ class View:
                     lines += wrapped(f"{' ' * 11}prompt: {words}", width, "dim", 13)
         return lines
 
+def save_svg(llm, folder, report):
+    """An on_step callback (bound to llm and folder): the view of the step saved as an SVG image
+    (rich's export), step-N.svg, in colour, its columns as on a terminal: a picture for a slide."""
+    console = Console(record=True, width=100, file=io.StringIO(), color_system="truecolor")
+    console.print(View(llm, live=False, console=console).frame(report))
+    console.save_svg(os.path.join(folder, f"step-{report.step}.svg"),
+                     title=f"nanopaged: step {report.step}")
+
 # ----------------------------------------------------------------------------------------------
 # 14. Command line: demos that provoke each mechanism, watched live or traced
 
@@ -3022,6 +3031,7 @@ def parse_args():
     p.add_argument("--trace", action="store_true", help="print a plain snapshot every step")
     p.add_argument("--delay", type=float, default=0.0,
                    help="seconds (at most 60) to pause after each step, and per event it shows")
+    p.add_argument("--svg", help="save each step's view as an SVG image in this folder")
     p.add_argument("--block-size", type=int, default=4, help="tokens per KV cache block")
     p.add_argument("--no-prefix-caching", action="store_false", dest="enable_prefix_caching",
                    help="turn the prefix cache off")
@@ -3050,7 +3060,11 @@ def main():
     try:
         require(0 <= args.delay <= 60, "--delay must be in [0, 60] seconds")   # as --help says
         require(args.live or args.trace or not args.delay, "--delay needs --live or --trace")
+        require(args.svg is None or os.path.isdir(args.svg) and os.access(args.svg, os.W_OK),
+                f"--svg {args.svg!r}: not a folder you may write")
         llm = LLM(**engine_knobs(args))
+        if args.svg:
+            llm.on_step.append(functools.partial(save_svg, llm, args.svg))
         seconds = run_demo(llm, args.demo, args.live, args.trace, args.delay)
     except ValueError as e:   # bad input: nothing ran
         p.error(str(e))

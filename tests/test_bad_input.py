@@ -102,6 +102,7 @@ BAD_COMMAND_LINES = [   # each printed a traceback, or failed only after the run
     ["--disk-path", "kv.bin"],   # the default demo has no disk tier: the path would do nothing
     ["--watermark-blocks", "-1"],
     ["--max-num-seqs", str(10 ** 30)], ["--host-gbps", "1e-300"],   # passed, then failed inside
+    ["--svg", "/no/such/folder"], ["--svg", __file__],   # the images' folder: none, a file
 ]
 
 

@@ -71,11 +71,11 @@ def test_the_reading_path_is_marked_and_holds_at_most_10000_tokens():
     assert sum(tokens.values()) <= 10000, tokens
 
 
-def test_the_four_files_hold_at_most_26800_tokens():
-    """nanopaged.py, kernel.py, model.py and bench.py together hold at most 26,800 tokens (issue
-    48's budget, which the prompt's record of why it missed the cache paid for)."""
+def test_the_four_files_hold_at_most_27000_tokens():
+    """nanopaged.py, kernel.py, model.py and bench.py together hold at most 27,000 tokens (issue
+    49's budget; 26,800 with issue 48)."""
     tokens = {name: code_tokens(source(name)) for name in FILES}
-    assert sum(tokens.values()) <= 26800, tokens
+    assert sum(tokens.values()) <= 27000, tokens
 
 
 def code_lines(text):

@@ -1,6 +1,8 @@
 """The live view shows the engine as it is: every block id, ref count, state and metric it draws
 equals the BlockManager's and the scheduler's at the same step. Traces repeat exactly and carry
 every event their demo provokes; a frame fits 80x24; thousands of blocks fold into a grid."""
+import functools
+import html
 import io
 import os
 import re
@@ -422,3 +424,44 @@ def test_trace_repeats_exactly():
     def masked(text):
         return re.sub(r"[\d.e+-]+ ms", "N ms", text)
     assert masked(trace("mix")) == masked(trace("mix"))
+
+
+def test_a_step_saved_as_svg_lines_up_its_cells_as_the_terminal_does(tmp_path):
+    """--svg: each step's view saved as an image (rich's SVG export), in colour; every span of
+    text sits at its column (x = column * the character width, its length as many characters), so
+    the image's rows read exactly as the terminal's: the pools' cells line up."""
+    from nanopaged import run_arrivals, save_svg
+    llm = checked(LLM("random:tiny", block_size=4, **demo_pool("fork", 4)))
+    # each step's view as the terminal shows it (the view reads the engine as the step left it)
+    console = Console(file=io.StringIO(), width=100, color_system=None)
+    terminals = []
+
+    def terminal(report):
+        console.print(View(llm, live=False, console=console).frame(report))
+        terminals.append([line.rstrip() for line in console.file.getvalue().splitlines()])
+        console.file = io.StringIO()
+
+    llm.on_step.append(terminal)
+    llm.on_step.append(functools.partial(save_svg, llm, str(tmp_path)))
+    run_arrivals(llm, demo_arrivals("fork", llm))
+    svg = (tmp_path / "step-2.svg").read_text()
+    # in colour (the ref counts in their requests' colours), and its title
+    assert len(set(re.findall(r"fill: (#\w+)", svg))) >= 3
+    assert "nanopaged: step 2" in html.unescape(svg).replace("\xa0", " ")
+    spans = re.findall(r'<text class="[^"]*-r\d+" x="([\d.]+)" y="([\d.]+)" '
+                       r'textLength="([\d.]+)"[^>]*>([^<]*)</text>', svg)
+    rows = {}
+    widths = set()
+    for x, y, length, text in spans:
+        text = html.unescape(text).replace("\xa0", " ")
+        if text.strip():
+            widths.add(round(float(length) / len(text), 3))
+        row = rows.setdefault(float(y), {})
+        for i, char in enumerate(text):
+            row[round(float(x) / 12.2) + i] = char
+    assert widths == {12.2}   # one character width: nothing stretched or squeezed
+    image = ["".join(row.get(c, " ") for c in range(max(row) + 1)).rstrip()
+             for _, row in sorted(rows.items())]
+    # step 2: the copy-on-write
+    assert image == terminals[1] and any(line.startswith("device") for line in image)
+    assert_no_block_held(llm)
