@@ -108,11 +108,9 @@ class Sequence:
     where each token's K/V live. len(seq) counts every token, the last one sampled too, whose K/V
     the next step writes. n>1 sampling and beam search fork several from one request."""
 
-    # ids are unique in the process: traces name sequences by them
-    _seq_ids = itertools.count()
-
-    def __init__(self, token_ids, request_id=None, index=0):
-        self.seq_id = next(Sequence._seq_ids)
+    # seq_id: unique in its engine (Scheduler.seq_ids): traces name sequences by it
+    def __init__(self, seq_id, token_ids, request_id=None, index=0):
+        self.seq_id = seq_id
         self.request_id = self.seq_id if request_id is None else request_id
         # which sample of its request (CompletionOutput.index)
         self.index = index
@@ -171,7 +169,7 @@ class Request:
     """One prompt and its params: the unit the scheduler admits, preempts and swaps, always whole.
     It starts as one sequence; n>1 samples fork from it as they draw their first tokens."""
 
-    def __init__(self, request_id, token_ids, params, seed, priority):
+    def __init__(self, request_id, token_ids, params, seed, priority, seq_id):
         self.request_id = request_id
         self.params = params
         # lower first, if scheduling_policy="priority" (section 12)
@@ -179,7 +177,7 @@ class Request:
         self.prompt_token_ids = list(token_ids)
         self.status = RequestStatus.WAITING
         # live sequences, in the order they forked
-        self.seqs = [Sequence(token_ids, request_id)]
+        self.seqs = [Sequence(seq_id, token_ids, request_id)]
         # sequences that ended: samples to return, beams that were dropped
         self.finished = []
         # beam search: BeamHypothesis records, the candidates for the output
@@ -704,6 +702,8 @@ class Scheduler:
         self.swapped = []        # requests on the host pool, in rank order
         # requests preempted (all their sequences at once), either way
         self.num_preemptions = 0
+        # each sequence's id: counted per engine, so every trace numbers its own from 0
+        self.seq_ids = itertools.count()
 
     def has_unfinished(self):
         return bool(self.waiting or self.running or self.swapped)
@@ -878,7 +878,7 @@ class Scheduler:
     def fork_seq(self, request, parent, index=0):
         """A new sequence of request with parent's tokens (its prompt as long): sample `index`
         (or a beam), sharing parent's blocks."""
-        child = Sequence(parent.token_ids, parent.request_id, index)
+        child = Sequence(next(self.seq_ids), parent.token_ids, parent.request_id, index)
         child.num_prompt_tokens = parent.num_prompt_tokens
         self.block_manager.fork(parent, child)
         request.seqs.append(child)
@@ -1018,7 +1018,8 @@ class LLM:
                 seed = getattr(p, "seed", None)   # (beam search: none)
                 if seed is None:
                     seed = (self.seed * 1_000_003 + request_id) % 2**63
-                request = Request(request_id, token_ids, p, seed, priority)
+                request = Request(request_id, token_ids, p, seed, priority,
+                                  next(self.scheduler.seq_ids))
                 self.requests[request_id] = request
                 self.scheduler.enqueue(self.scheduler.waiting, request)
                 request_ids.append(request_id)

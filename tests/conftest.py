@@ -1,4 +1,5 @@
 """Shared helpers: run an engine with its invariants checked after every step, and the transformers oracle."""
+import itertools
 import os
 import sys
 
@@ -10,6 +11,10 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 torch.set_num_threads(2)
+
+
+# ids for the sequences tests make outside an engine (an engine counts its own: Scheduler.seq_ids)
+SEQ_IDS = itertools.count()
 
 
 def checked(llm):

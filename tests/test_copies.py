@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
 
 import nanopaged
-from conftest import assert_no_block_held, checked
+from conftest import SEQ_IDS, assert_no_block_held, checked
 from nanopaged import LLM, CopyEngine, SamplingParams, ScheduledBatch, ScheduledSeq
 from test_properties import BLOCK_SIZE, BlockManagerMachine
 
@@ -200,7 +200,7 @@ def test_a_request_runs_while_its_full_blocks_are_written_through_and_their_evic
     holder.device, holder.copier = torch.device("cpu"), OrderedLinks()   # the link held
     holder.block_manager, holder.events = bm, bm.events
     engine = CopyEngine(holder)
-    seq = nanopaged.Sequence(list(range(2 * BLOCK_SIZE + 1)))
+    seq = nanopaged.Sequence(next(SEQ_IDS), list(range(2 * BLOCK_SIZE + 1)))
     bm.allocate(seq)
     seq.num_computed_tokens = len(seq)
     bm.cache_full_blocks(seq)   # blocks 0 and 1 full and registered, 2 holds the last token
@@ -216,7 +216,7 @@ def test_a_request_runs_while_its_full_blocks_are_written_through_and_their_evic
     assert [(src.name, b, dst.name) for src, b, dst, _ in holder.copier.made] == [
         ("device", full[0], "host"), ("device", full[1], "host")]
     bm.free(seq)
-    other = nanopaged.Sequence(list(range(100, 100 + 4 * BLOCK_SIZE - 1)))
+    other = nanopaged.Sequence(next(SEQ_IDS), list(range(100, 100 + 4 * BLOCK_SIZE - 1)))
     bm.allocate(other)   # takes all four device blocks: both cached ones evicted
     drops = [e.block_ids for e in bm.events.take() if e.kind == "drop"]
     assert sorted(b for ids in drops for b in ids) == sorted(full)
@@ -235,7 +235,7 @@ def test_a_swap_out_reading_a_block_does_not_hide_its_load_still_in_flight():
     holder.device, holder.copier = torch.device("cpu"), OrderedLinks()   # the link held
     holder.block_manager, holder.events = bm, bm.events
     engine = CopyEngine(holder)
-    b, bystander = (nanopaged.Sequence([1] * BLOCK_SIZE) for _ in range(2))
+    b, bystander = (nanopaged.Sequence(next(SEQ_IDS), [1] * BLOCK_SIZE) for _ in range(2))
     b.block_table, bystander.block_table = [0], [5]
     bm.device.blocks[0].hash = 123   # registered when its load was queued
 

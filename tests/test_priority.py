@@ -2,7 +2,6 @@
 of a preemption is the least urgent running request, equal priorities are first come first served,
 and aging's bound holds: no request is admitted after one that came K * (p - q) or more steps later."""
 import io
-import itertools
 import re
 
 import pytest
@@ -12,7 +11,7 @@ from hypothesis import strategies as st
 from rich.console import Console
 
 from conftest import assert_no_block_held, checked
-from nanopaged import LLM, PriorityScheduler, SamplingParams, Sequence, View
+from nanopaged import LLM, PriorityScheduler, SamplingParams, View
 
 
 def ids(seed, n, vocab=256):
@@ -107,7 +106,6 @@ def test_equal_priorities_behave_as_first_come_first_served(mode, monkeypatch):
     arrivals = [(s, p, params, 0) for s, p, params, _ in pressure_arrivals()]
     traces = []
     for policy in ("fcfs", "priority"):
-        monkeypatch.setattr(Sequence, "_seq_ids", itertools.count())   # the same seq ids in both
         llm = engine(policy, num_blocks=20, num_cpu_blocks=40, preemption_mode=mode)
         events = []
         llm.on_step.append(lambda report: events.append(   # (their words would add timings)

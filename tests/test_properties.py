@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from conftest import assert_no_block_held, checked
+from conftest import SEQ_IDS, assert_no_block_held, checked
 from nanopaged import (LLM, BeamSearchParams, BlockManager, SamplingParams, Sequence,
                        max_blocks_needed)
 
@@ -65,7 +65,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @rule(prefix=st.integers(0, 2), k=st.integers(0, 12), own=st.lists(st.integers(0, 40), min_size=1, max_size=9))
     def allocate(self, prefix, k, own):
-        seq = Sequence(PREFIXES[prefix][:k] + own)
+        seq = Sequence(next(SEQ_IDS), PREFIXES[prefix][:k] + own)
         if self.bm.can_allocate(seq):
             self.bm.allocate(seq)
             self.write(seq, seq.num_computed_tokens)   # prefix hits, loaded or not, are not written again
@@ -86,7 +86,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def fork(self, data):
         parent = data.draw(st.sampled_from(self.live))
-        child = Sequence(parent.token_ids, request_id=parent.request_id)
+        child = Sequence(next(SEQ_IDS), parent.token_ids, request_id=parent.request_id)
         self.bm.fork(parent, child)
         self.live.append(child)
 

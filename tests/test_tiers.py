@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import nanopaged
-from conftest import assert_no_block_held, checked
+from conftest import SEQ_IDS, assert_no_block_held, checked
 from nanopaged import LLM, BlockManager, SamplingParams, Sequence
 from test_block_manager import alloc, computed, toks   # allocate, compute, register; token ids
 
@@ -28,7 +28,7 @@ BS = 4   # block_size of every test here: a block is 4 tokens
 
 def cached(bm, token_ids):
     """A prompt computed and finished: its full blocks stay in the prefix cache, held by none."""
-    seq = computed(bm, Sequence(token_ids))
+    seq = computed(bm, Sequence(next(SEQ_IDS), token_ids))
     bm.free(seq)
     bm.check_invariants()
     return seq
@@ -89,7 +89,7 @@ def test_device_eviction_writes_the_block_down_to_host():
     entry = prefix_entry(bm.device.blocks[0])
     assert entry[0] == BlockManager.compute_hash(None, (0, 1, 2, 3))
     forget(bm)
-    b = alloc(bm, Sequence(toks(100, 4)))             # no free block: block 0 is evicted
+    b = alloc(bm, Sequence(next(SEQ_IDS), toks(100, 4)))             # no free block: block 0 is evicted
     assert b.block_table == [0]
     assert taken(bm) == [("device", 0, "host", 0)]
     assert events(bm) == [("write down", (0,), (0,), "host", "device")]
@@ -166,7 +166,7 @@ def test_prompt_loads_its_prefix_from_host_and_disk():
     assert bm.counts["prefix_cache_hits"] == 0
     loaded = bm.counts["num_loaded_blocks"]
     forget(bm)
-    c = alloc(bm, Sequence(toks(0, 8) + [99]))
+    c = alloc(bm, Sequence(next(SEQ_IDS), toks(0, 8) + [99]))
     assert c.block_table == [0, 1, 2] and c.num_cached_tokens == c.num_computed_tokens == 8
     copies = taken(bm)
     loads = [cp for cp in copies if cp[2] == "device"]
@@ -195,7 +195,7 @@ def test_swap_out_pushes_cached_host_blocks_to_disk_but_never_swapped_ones():
     prompt still finds them; a host full of a swapped request's blocks refuses the next one."""
     bm = BlockManager(3, BS, num_cpu_blocks=3, num_disk_blocks=3)
     cached(bm, toks(0, 12))                           # A: 3 blocks
-    b = computed(bm, Sequence(toks(100, 12)))         # pushes all of A to the host
+    b = computed(bm, Sequence(next(SEQ_IDS), toks(100, 12)))         # pushes all of A to the host
     assert sorted(registered(bm)["host"].values()) == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)]
     assert bm.host.num_free_blocks == 3 and bm.can_swap_out(b)
     forget(bm)
@@ -209,7 +209,7 @@ def test_swap_out_pushes_cached_host_blocks_to_disk_but_never_swapped_ones():
                                                        (108, 109, 110, 111)]
     assert sorted(registered(bm)["disk"].values()) == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)]
     assert bm.counts["num_swapped_out_blocks"] == 3 and bm.counts["num_evictions"] == 0
-    c = alloc(bm, Sequence(toks(0, 8) + [99]))        # A's first two blocks, from disk
+    c = alloc(bm, Sequence(next(SEQ_IDS), toks(0, 8) + [99]))        # A's first two blocks, from disk
     assert c.num_cached_tokens == 8 and tier_hits(bm) == (0, 8)
     assert [cp[:2] for cp in taken(bm) if cp[2] == "device"] == [("disk", 2), ("disk", 1)]
     assert b.block_table == [2, 1, 0] and [bm.host.blocks[i].ref_count for i in range(3)] == [1] * 3
@@ -244,7 +244,7 @@ def test_tiers_not_worth_loading_are_neither_written_down_to_nor_read():
     rule.worth = {"host": False, "disk": False}
     forget(bm)
     offloaded, evictions = bm.counts["num_offloaded_blocks"], bm.counts["num_evictions"]
-    c = alloc(bm, Sequence(toks(0, 4) + [99]))
+    c = alloc(bm, Sequence(next(SEQ_IDS), toks(0, 4) + [99]))
     assert c.num_cached_tokens == 0 and tier_hits(bm) == (0, 0)
     assert bm.counts["num_loaded_blocks"] == 0
     assert taken(bm) == []                            # no load, no write-down
@@ -255,7 +255,7 @@ def test_tiers_not_worth_loading_are_neither_written_down_to_nor_read():
     bm.free(c)
     bm.check_invariants()
     rule.worth["host"] = True                         # worth it again: the same prompt hits
-    d = alloc(bm, Sequence(toks(0, 4) + [99]))
+    d = alloc(bm, Sequence(next(SEQ_IDS), toks(0, 4) + [99]))
     assert d.num_cached_tokens == 4 and taken(bm) == [("host", 0, "device", d.block_table[0])]
     bm.free(d)
     bm.check_invariants()
@@ -270,7 +270,7 @@ def test_a_tier_not_worth_loading_is_skipped_on_the_way_down():
     cached(bm, toks(100, 8))
     assert taken(bm) == [("device", 0, "disk", 0)]
     assert registered(bm)["host"] == {} and where_is(bm, toks(0, 4)) == [("disk", 0)]
-    c = alloc(bm, Sequence(toks(0, 4) + [99]))
+    c = alloc(bm, Sequence(next(SEQ_IDS), toks(0, 4) + [99]))
     assert c.num_cached_tokens == 4 and tier_hits(bm) == (0, 4)
     bm.free(c)
     bm.check_invariants()
@@ -292,7 +292,7 @@ def test_colliding_hashes_never_hand_out_another_prompts_blocks_from_any_tier(mo
              (X + Y + [1], 8), (Z + W + [1], 8)]
     for prompt, want in cases:
         taken(bm)
-        seq = alloc(bm, Sequence(prompt))
+        seq = alloc(bm, Sequence(next(SEQ_IDS), prompt))
         assert seq.num_cached_tokens == want, prompt
         for i, block_id in enumerate(seq.block_table[:want // BS]):
             block = bm.device.blocks[block_id]
@@ -669,12 +669,12 @@ def test_a_swapped_requests_host_blocks_are_found_for_drops_not_for_prompts():
     (no second copy to the host). A prompt with the same prefix does not take them from it
     (they are its own until it returns), and after the swap-in its table is whole again."""
     bm = BlockManager(3, BS, num_cpu_blocks=3)
-    a = computed(bm, Sequence(toks(0, 9)))            # two full blocks and one token
+    a = computed(bm, Sequence(next(SEQ_IDS), toks(0, 9)))            # two full blocks and one token
     bm.swap_out(a)
     forget(bm)
     cached(bm, toks(100, 12))                         # evicts a's device copies
     assert taken(bm) == [] and [e[0] for e in events(bm)] == ["drop", "drop"]
-    b = alloc(bm, Sequence(toks(0, 4) + [99]))        # a's first block, held on the host
+    b = alloc(bm, Sequence(next(SEQ_IDS), toks(0, 4) + [99]))        # a's first block, held on the host
     assert b.num_cached_tokens == 0 and not [c for c in taken(bm) if c[0] == "host"]
     bm.free(b)
     bm.swap_in(a)
@@ -707,8 +707,8 @@ def test_a_request_preempted_to_recompute_counts_each_block_found_once_more():
     """Freed to be recomputed (coming_back), each block of the request counts one more hit, once
     though three samples share it: a full tier below keeps it over blocks nobody looks for."""
     bm = BlockManager(8, BS)
-    leader = computed(bm, Sequence(toks(0, 9)))       # blocks 0, 1 full and registered
-    samples = [leader] + [Sequence(leader.token_ids) for _ in range(2)]
+    leader = computed(bm, Sequence(next(SEQ_IDS), toks(0, 9)))       # blocks 0, 1 full and registered
+    samples = [leader] + [Sequence(next(SEQ_IDS), leader.token_ids) for _ in range(2)]
     for s in samples[1:]:
         bm.fork(leader, s)
     full = leader.block_table[:2]
