@@ -2858,7 +2858,7 @@ def save_svg(llm, folder, report):
 # ----------------------------------------------------------------------------------------------
 # 14. Command line: demos that provoke each mechanism, watched live or traced
 
-SYSTEM = "You are a helpful assistant. Answer in one short sentence.\n"
+SYSTEM = "You are a helpful assistant. Answer in one short sentence."
 QUESTIONS = ["What is a cache?", "Why is the sky blue?", "What is a prime number?",
              "Name a planet.", "What does a scheduler do?"]
 DEMOS = {   # name: what it shows
@@ -2904,13 +2904,16 @@ def demo_arrivals(name, llm):
     """A demo's requests to llm, [(step, prompts, params[, priority])]: each queued once the
     engine has run `step` steps (an idle engine skips ahead to the next): a trace repeats."""
 
-    def text(s, length=None):
-        """Token ids (random weights: a made-up id a word), cut or repeated to length."""
+    def text(s, length=None, system=""):
+        """Token ids of a chat: the system prompt, then s from the user, in the model's chat
+        template (random weights: a made-up id a word); cut or repeated to length."""
         if isinstance(s, str) and llm.tokenizer is not None:
-            s = tokenize(llm, s)
+            chat = [{"role": "system", "content": system}, {"role": "user", "content": s}]
+            s = tokenize(llm, llm.tokenizer.apply_chat_template(chat, tokenize=False,
+                                                                add_generation_prompt=True))
         elif isinstance(s, str):
             vocab = llm.model.config.vocab_size
-            s = [sum(w.encode()) % vocab for w in s.split()]
+            s = [sum(w.encode()) % vocab for w in f"{system} {s}".split()]
         return (s * length)[:length] if length else s
 
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -2923,13 +2926,12 @@ def demo_arrivals(name, llm):
     samples = SamplingParams(temperature=0.8, n=4, max_tokens=10, ignore_eos=True, seed=0)
     pair = dataclasses.replace(samples, n=2, max_tokens=24, seed=1)
     beams = BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True)
-    ask = [text(SYSTEM + q) for q in QUESTIONS]
-    # block 0 differs
-    friendly = text(SYSTEM.replace("helpful", "friendly") + QUESTIONS[0])
-    every_question = text(SYSTEM + " ".join(QUESTIONS))
-    # tiers: two 28-token questions, three requests that push their blocks down, the two again
-    two_questions = [text(q, 28) for q in ask[:2]]
-    back = [q + text(" Say more.") for q in two_questions]
+    ask = [text(q, system=SYSTEM) for q in QUESTIONS]
+    # one word differs
+    friendly = text(QUESTIONS[0], system=SYSTEM.replace("helpful", "friendly"))
+    every_question = text(" ".join(QUESTIONS), system=SYSTEM)
+    # tiers: two questions, three requests that push their blocks down, the two again asked more
+    back = [text(q + " Say more.", system=SYSTEM) for q in QUESTIONS[:2]]
     # priority: a long request of priority 1, then short ones of priority 0 (the default), one
     # every 3 steps
     short = one_every(3, map(text, QUESTIONS * 4))
@@ -2946,7 +2948,7 @@ def demo_arrivals(name, llm):
         "chunked": [(0, ask[:1], longer), (2, [every_question], greedy)],
         # 200 tokens (50 blocks), then 196 (49): at step 2 the first has taken its 51st block
         "watermark": [(0, [text(ask[0], 200)], greedy), (1, [text(QUESTIONS[1], 196)], greedy)],
-        "tiers": [(0, two_questions, greedy), (12, ask[2:], greedy), (24, back, greedy)],
+        "tiers": [(0, ask[:2], greedy), (12, ask[2:], greedy), (24, back, greedy)],
         "priority": [(0, ask[:1], longer, [1])] + short,
     }
     return arrivals[name.replace("overlap", "tiers")]
@@ -3023,7 +3025,7 @@ KNOB_FLAGS = {
 }
 
 
-def parse_args():
+def parse_args(argv):
     p = ArgumentParser(
         description="nanopaged: run a demo through a paged KV cache and watch its blocks",
         epilog="demos: " + "; ".join(f"{name}: {what}" for name, what in DEMOS.items()))
@@ -3038,7 +3040,7 @@ def parse_args():
                    help="turn the prefix cache off")
     for flag, (kind, what) in KNOB_FLAGS.items():
         p.add_argument(flag, type=kind, help=what)
-    return p, p.parse_args()
+    return p, p.parse_args(argv)
 
 
 def engine_knobs(args):
@@ -3055,8 +3057,8 @@ def engine_knobs(args):
     return knobs
 
 
-def main():
-    p, args = parse_args()
+def main(argv=None):   # argv: the command line's (sys.argv[1:]), or a list
+    p, args = parse_args(argv)
     # bad input, ours as the engine's: a ValueError, told in one line before anything runs
     try:
         require(0 <= args.delay <= 60, "--delay must be in [0, 60] seconds")   # as --help says

@@ -1,0 +1,58 @@
+"""The workbook: every trace the README's exercises ask for, printed from one process, so the model
+loads once (each command run alone loads it again: some 20 s on 2 cores).
+
+    python tests/workbook.py > workbook.txt     # every exercise's traces: every demo's, and more
+    python tests/workbook.py 7 9                # exercises 7 and 9 alone
+
+Each trace comes under the command that prints it alone. The answers are tests:
+tests/test_exercises.py, one `test_exercise_N_...` an exercise, its explanation the docstring."""
+import contextlib
+import io
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import nanopaged  # noqa: E402
+
+# exercise -> the flags of each command it runs (each with --trace), as the README gives them
+EXERCISES = {
+    1: ["--demo prefix", "--demo prefix --no-prefix-caching"],
+    2: ["--demo fork", "--demo fork --block-size 8"],
+    3: ["--demo beam"],
+    4: ["--demo batching"],
+    5: ["--demo chunked"],
+    6: ["--demo watermark", "--demo watermark --watermark-blocks 0"],
+    7: ["--demo preempt"],
+    8: ["--demo mix", "--demo mix --preemption-mode recompute"],
+    9: ["--demo preempt --preemption-mode auto"],
+    10: ["--demo evict"],
+    11: ["--demo tiers", "--demo tiers --num-disk-blocks 0"],
+    12: ["--demo overlap"],
+    13: ["--demo tiers --offload-kv-cache-dtype int8",
+         "--demo tiers --offload-kv-cache-dtype int8 --num-cpu-blocks 15"],
+    14: ["--demo priority", "--demo priority --priority-aging-steps 0"],
+}
+
+
+def command(flags):
+    return f"python nanopaged.py {flags} --trace"
+
+
+def trace(flags):
+    """What `python nanopaged.py FLAGS --trace` prints, run in this process (the model loaded
+    once for all): the trace, the replies and the metrics."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        nanopaged.main([*flags.split(), "--trace"])
+    return out.getvalue()
+
+
+def main(numbers):
+    for n in numbers or EXERCISES:
+        for flags in EXERCISES[int(n)]:
+            print(f"{'=' * 100}\nexercise {n}: {command(flags)}\n{'=' * 100}")
+            print(trace(flags), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
