@@ -2888,8 +2888,8 @@ DEMO_POOLS = {
     "fork": dict(num_blocks=48),
     "evict": dict(num_blocks=12),
     "watermark": dict(num_blocks=100),   # a watermark of 1 block
-    "tiers": dict(num_blocks=20, num_cpu_blocks=4, num_disk_blocks=12),
-    "prefix": dict(num_blocks=14),
+    "tiers": dict(num_blocks=24, num_cpu_blocks=4, num_disk_blocks=12),
+    "prefix": dict(num_blocks=20),
     "beam": dict(num_blocks=64),
     "batching": dict(num_blocks=64),
     "priority": dict(num_blocks=16, scheduling_policy="priority", priority_aging_steps=3),
@@ -2930,8 +2930,7 @@ def demo_arrivals(name, llm):
     # one word differs
     friendly = text(QUESTIONS[0], system=SYSTEM.replace("helpful", "friendly"))
     every_question = text(" ".join(QUESTIONS), system=SYSTEM)
-    # tiers: two questions, three requests that push their blocks down, the two again asked more
-    back = [text(q + " Say more.", system=SYSTEM) for q in QUESTIONS[:2]]
+    # tiers: two questions, three requests that push their blocks down, the two again
     # priority: a long request of priority 1, then short ones of priority 0 (the default), one
     # every 3 steps
     short = one_every(3, map(text, QUESTIONS * 4))
@@ -2948,7 +2947,7 @@ def demo_arrivals(name, llm):
         "chunked": [(0, ask[:1], longer), (2, [every_question], greedy)],
         # 200 tokens (50 blocks), then 196 (49): at step 2 the first has taken its 51st block
         "watermark": [(0, [text(ask[0], 200)], greedy), (1, [text(QUESTIONS[1], 196)], greedy)],
-        "tiers": [(0, ask[:2], greedy), (12, ask[2:], greedy), (24, back, greedy)],
+        "tiers": [(0, ask[:2], greedy), (12, ask[2:], greedy), (24, ask[:2], greedy)],
         "priority": [(0, ask[:1], longer, [1])] + short,
     }
     return arrivals[name.replace("overlap", "tiers")]
