@@ -101,6 +101,7 @@ def test_paged_greedy_tokens_equal_the_dense_models():
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8))
     for i, (out, w) in enumerate(zip(outs, want)):
         got = out.outputs[0].token_ids
-        assert got == w, f"prompt {i}: the paged engine's greedy tokens {got}, the dense model's {w}"
+        assert got == w, (f"prompt {i}: the paged engine's greedy tokens {got}, the dense "
+                          f"model's {w}")
     assert_no_block_held(llm)
 

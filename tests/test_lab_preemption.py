@@ -49,7 +49,8 @@ def test_the_victim_is_the_last_running_request_in_rank():
     llm = engine("recompute")
     step_without_model(llm)
     events = preempted(llm)
-    assert events, "step 2: nobody was preempted, yet the pool is full and every decode needs a block"
+    assert events, ("step 2: nobody was preempted, yet the pool is full and every decode "
+                    "needs a block")
     victim = events[0][0]
     assert victim == (2,), (f"step 2: seq {victim} was preempted first; the victim must be the "
                             "last running request in rank, seq 2")
@@ -58,7 +59,8 @@ def test_the_victim_is_the_last_running_request_in_rank():
 
 
 def test_a_recomputed_request_frees_its_blocks_and_waits_in_front():
-    """Recompute: the victim holds no block, has nothing computed, and is first in the waiting line."""
+    """Recompute: the victim holds no block, has nothing computed, and waits before newer
+    requests."""
     llm = engine("recompute")
     llm.add_requests([[13, 14, 15]], SamplingParams(max_tokens=3))   # arrives after the three
     step_without_model(llm)

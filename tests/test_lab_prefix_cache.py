@@ -89,7 +89,7 @@ def test_the_chain_stops_at_the_first_miss():
 
 
 def test_colliding_hashes_hand_out_no_wrong_block(monkeypatch):
-    """Every block hashes alike: tokens and the parent's prefix decide, so no wrong block is found."""
+    """Every block hashes alike: tokens and the parent's prefix decide; no wrong block is found."""
     monkeypatch.setattr(BlockManager, "compute_hash", staticmethod(lambda parent, tokens: 42))
     bm = BlockManager(16, 4)
     x, y, z = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
@@ -104,7 +104,7 @@ def test_colliding_hashes_hand_out_no_wrong_block(monkeypatch):
 def test_a_held_block_is_shared_before_a_cached_copy():
     """Two blocks hold one prefix, one held, one cached: the held one is shared (no free block)."""
     bm = BlockManager(16, 4)
-    # a and b allocated before either is computed: each computes the prefix in a block of its own
+    # a and b allocated before either is computed: each computes the prefix in its own block
     a = allocated(bm, [1, 2, 3, 4, 5])
     b = allocated(bm, [1, 2, 3, 4, 6])
     for seq in (a, b):
@@ -129,7 +129,8 @@ def test_hits_match_a_brute_force_search_over_computed_prefixes():
         tokens = [rng.randrange(2) for _ in range(rng.randrange(1, 18))]
         # the simple way: the longest run of full blocks whose prefixes were computed
         want = 0
-        while (want + 1) * 4 <= len(tokens) - 1 and tuple(tokens[:(want + 1) * 4]) in computed_prefixes:
+        while ((want + 1) * 4 <= len(tokens) - 1
+               and tuple(tokens[:(want + 1) * 4]) in computed_prefixes):
             want += 1
         seq = allocated(bm, tokens)
         got = seq.num_cached_tokens // 4

@@ -20,6 +20,11 @@ import labs
 LAB_IDS = [lab.name for lab in labs.LABS]
 
 
+def read_bytes(root, name):
+    with open(os.path.join(root, name), "rb") as f:
+        return f.read()
+
+
 def project_text(name):
     return labs.read(os.path.join(labs.ROOT, name))
 
@@ -45,7 +50,8 @@ def graded(tmp_path_factory):
 
 
 def test_every_marker_names_a_lab_and_every_stub_a_region():
-    """Each `# lab NAME: below, ...` line names a lab; each lab's stubs match its regions one to one."""
+    """Each `# lab NAME: below, ...` line names a lab; a lab's stubs match its regions, one
+    to one."""
     for name in labs.ENGINE_FILES:
         for line in project_text(name).splitlines():
             lab = labs.marker_lab(line)
@@ -87,19 +93,20 @@ def test_a_handout_fails_its_own_lab_only(graded, name):
     lab = labs.LAB_NAMES[name]
     assert own.verdict().startswith(f"lab {name} ({lab.mechanism}): failed: "), own.verdict()
     others = [r.verdict() for other, r in results.items() if other != name and not r.passed]
-    assert not others, f"the {name} handout fails other labs: {others} {[r.failed for r in results.values()]}"
+    failures = [r.failed for r in results.values()]
+    assert not others, f"the {name} handout fails other labs: {others}: {failures}"
 
 
 @pytest.mark.parametrize("name", LAB_IDS)
 def test_pasting_back_the_solution_gives_the_project_and_passes(graded, tmp_path, name):
-    """paste_back over a fresh handout gives the project's files byte for byte; graded, it passes."""
+    """paste_back over a fresh handout gives the project's files byte for byte; graded, it
+    passes."""
     lab = labs.LAB_NAMES[name]
     labs.make_handout(lab, str(tmp_path))
     changed = labs.paste_back(lab, str(tmp_path))
     assert changed, "paste_back changed nothing: the handout had no stub"
     for file in labs.project_files():
-        with open(os.path.join(tmp_path, file), "rb") as f:
-            assert f.read() == open(os.path.join(labs.ROOT, file), "rb").read(), file
+        assert read_bytes(tmp_path, file) == read_bytes(labs.ROOT, file), file
     result = graded[f"pasted {name}"][name]
     assert result.passed, f"{result.verdict()}: {result.failed}"
 
