@@ -63,6 +63,7 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_s
         #    logical block j of its i-th sequence is physical block ids[i * blocks + j]; each
         #    context comes out in order, whole blocks (the mask hides the slots past its end),
         #    padded to the longest. k, v: (seqs, kv_heads, ctx, dim)
+        # lab block-table: below, the gather through the block tables
         k, v = (cache.index_select(0, ids).view(len(rows), -1, *cache.shape[2:]).transpose(1, 2)
                 for cache in (k_cache, v_cache))
         # kv_cache_dtype="int8": what was gathered, back to floats (below the banner)

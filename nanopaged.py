@@ -338,6 +338,7 @@ class BlockManager:
                     found.append((tier, block))
         return found
 
+    # lab prefix-cache: below, the walk along the hash chain
     def _cache_hits(self, seq):
         """[(tier, block)] holding seq's prefix, found by one walk along its hash chain, each
         where it is (below the device: if loading it beats recomputing, section 8)."""
@@ -373,6 +374,7 @@ class BlockManager:
             self._evict(pool, seq)
         return pool.blocks[pool.empty_block_ids.popleft()]
 
+    # lab eviction: below, which cached block is evicted
     def _evict(self, pool, seq):
         """Take pool's cached block freed longest ago out of the prefix cache, emptied: its K/V
         are written down to a tier below (_write_down), or lost. Which tier: section 8."""
@@ -498,6 +500,7 @@ class BlockManager:
     def append_slot(self, seq):
         """Make sure the slot of seq's last token exists and may be written. Returns (src, dst)
         when a shared block had to be copied first (copy-on-write), else None."""
+        # lab copy-on-write: below, a writer of a shared block copies it first
         if self._needs_new_block(seq):
             seq.block_table.append(self._allocate_block(seq))
         elif self._needs_copy(seq):
@@ -514,6 +517,7 @@ class BlockManager:
             return src.block_id, dst
         return None
 
+    # lab copy-on-write: below, a fork shares its parent's blocks
     def fork(self, parent, child, num_blocks=None):
         """child shares parent's first num_blocks blocks (all by default): no K/V copied, their
         ref_counts go up, fresh blocks hold the rest (a recomputed sample's, section 8)."""
@@ -525,6 +529,7 @@ class BlockManager:
         self.events.record("fork", [child], shared,
                            parent=parent.seq_id)
 
+    # lab eviction: below, the order free releases blocks in
     def free(self, seq, coming_back=False):
         """Drop seq's hold on its blocks, in whichever pool its table points into, tail first: the
         tail is then evicted before the prefix, which other requests are likelier to share.
@@ -606,6 +611,7 @@ class BlockManager:
         """Move seqs back to the device pool. Returns [(host_block, device_block)]."""
         return self._move(seqs, self.host, self.device, "swap in", "num_swapped_in_blocks")
 
+    # lab preemption: below, a swap moves a request's blocks between tiers
     def _move(self, seqs, src, dst, kind, counter):
         """Repoint seqs' tables from src to dst, a dst block per distinct block (tail first), and
         count the blocks moved under the metric named counter."""
@@ -747,6 +753,7 @@ class Scheduler:
                 # short of a block: preempt the last running request in rank until seq has one;
                 # once the last is seq's own request, it gave its blocks back and waits like
                 # the others
+                # lab preemption: below, the victim
                 while request.status is RequestStatus.RUNNING and not bm.can_append(seq):
                     self.preempt(self.running[-1], batch)
                 if request.status is RequestStatus.RUNNING:
@@ -819,6 +826,7 @@ class Scheduler:
         # auto: the cost rule (section 8)
         return bm.cost.cheaper_mode(bm, request)
 
+    # lab preemption: below, swap or recompute
     def preempt(self, request, batch, mode=None):
         """Take a running request's blocks back, all at once: swapped to the host pool, to resume
         where it was, or freed (the prefix cache may keep much), to be recomputed, in front."""
@@ -1161,6 +1169,7 @@ class LLM:
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
             # each token's slot, kept in the batch too: the trace shows where decodes write
+            # lab block-table: below, the slot mapping
             batch.slot_mapping += [seq.block_table[p // block_size] * block_size + p % block_size
                                    for p in range(start, end)]
             query_start_loc.append(query_start_loc[-1] + num_new)

@@ -37,6 +37,25 @@ def assert_no_block_held(llm):
     assert not llm.scheduler.running and not llm.scheduler.waiting and not llm.scheduler.swapped
 
 
+def step_without_model(llm, token=0):
+    """One engine step as LLM.step takes it, but no model runs: schedule, make the block copies,
+    advance every sequence; each whose chunk reaches its last token samples `token` (an n>1
+    request's first: n of them, so that its samples fork). Scheduling and the block manager
+    alone, for the labs that pin them. Checks the invariants; returns the ScheduledBatch."""
+    llm.events.step = llm.num_steps + 1
+    batch = llm.scheduler.schedule()
+    llm.copy_blocks()
+    sampled = {}
+    for request, seq, num_new in batch.entries:
+        if seq.num_computed_tokens + num_new == len(seq):
+            n = 1 if request.past_first_token else request.params.n
+            sampled[seq] = [token] * n
+    llm.scheduler.postprocess(batch, sampled)
+    llm.num_steps += 1
+    llm.block_manager.check_invariants()
+    return batch
+
+
 def hf_greedy(hf, prompt_ids, max_new_tokens):
     """transformers' own greedy generate, one prompt at a time: the oracle for the paged engine."""
     with torch.no_grad():

@@ -1,0 +1,102 @@
+"""
+Lab eviction: free and LRU eviction (BlockManager.free and _evict in nanopaged.py).
+
+What the student writes: free's order, which releases a sequence's blocks tail first (a registered
+block nobody holds stays cached, its K/V reusable, newest last), and _evict's victim, the cached
+block freed longest ago, taken only when no empty block is left.
+What the tests pin, on BlockManager alone (no model): the cached blocks' order after each free and
+which blocks each allocation evicts, against a plain list kept by the test (the simple LRU).
+
+    python tests/labs.py grade eviction
+"""
+import random
+
+from conftest import SEQ_IDS
+from nanopaged import BlockManager, Sequence
+
+
+def computed(bm, tokens):
+    """A prompt as the engine computes it: allocated, computed, its full blocks registered."""
+    seq = Sequence(next(SEQ_IDS), tokens)
+    bm.allocate(seq)
+    seq.num_computed_tokens = len(seq)
+    bm.cache_full_blocks(seq)
+    bm.check_invariants()
+    return seq
+
+
+def test_free_releases_the_tail_first():
+    """Freed, a 3-block sequence's blocks are cached tail first: the tail will be evicted first."""
+    bm = BlockManager(8, 4)
+    seq = computed(bm, list(range(1, 13)))   # 3 full blocks, registered
+    table = list(seq.block_table)
+    bm.free(seq)
+    bm.check_invariants()
+    cached = list(bm.device.cached_block_ids)
+    assert cached == table[::-1], (f"after free(seq {seq.seq_id}) with blocks {table}, the cached "
+                                   f"order (oldest first) is {cached}; free releases the tail "
+                                   f"first, so it must be {table[::-1]}")
+
+
+def test_empty_blocks_go_before_cached_ones_then_the_oldest_cached():
+    """With cached blocks [1, 0, 3, 2] (oldest first) and 2 empty, 5 new blocks evict 1, 0, 3."""
+    bm = BlockManager(6, 4)
+    a = computed(bm, list(range(100, 108)))   # blocks [0, 1]
+    b = computed(bm, list(range(200, 208)))   # blocks [2, 3]
+    bm.free(a)
+    bm.free(b)
+    bm.check_invariants()
+    new = computed(bm, list(range(300, 320)))   # 5 blocks, nothing in common
+    assert new.block_table[:2] == [4, 5], (f"seq {new.seq_id} got {new.block_table[:2]} first; "
+                                           "the empty blocks 4, 5 go before any cached one")
+    assert new.block_table[2:] == [1, 0, 3], (
+        f"seq {new.seq_id} evicted {new.block_table[2:]}; the least recently cached go first: "
+        "a's tail 1, a's head 0, then b's tail 3")
+    assert bm.counts["num_evictions"] == 3
+    assert list(bm.device.cached_block_ids) == [2], "block 2, cached last, must still be cached"
+    bm.free(new)
+    bm.check_invariants()
+
+
+def test_evictions_follow_a_plain_lru_list():
+    """Random prompts, some repeated, in a 12-block pool: after every free the cached order, and
+    after every allocation the blocks evicted, are those of a list kept the simple way."""
+    rng = random.Random(0)
+    bm = BlockManager(12, 4)
+    lru = []   # the cached blocks, least recently cached first: the simple model
+    prompts = [list(range(1000 * p, 1000 * p + rng.randrange(4, 14))) for p in range(8)]
+    held = []
+    for step in range(80):
+        if held and (bm.num_free_blocks < 4 or rng.random() < 0.4):
+            seq = held.pop(rng.randrange(len(held)))
+            # the blocks free caches: the registered ones seq held alone, tail first
+            for block_id in reversed(seq.block_table):
+                block = bm.device.blocks[block_id]
+                if block.ref_count == 1 and block.hash is not None:
+                    lru.append(block_id)
+            bm.free(seq)
+            bm.check_invariants()
+            cached = list(bm.device.cached_block_ids)
+            assert cached == lru, (f"step {step}: after free(seq {seq.seq_id}) the cached order "
+                                   f"(oldest first) is {cached}, want {lru}: tail first, each "
+                                   "block cached last")
+            continue
+        seq = Sequence(next(SEQ_IDS), rng.choice(prompts))
+        bm.allocate(seq)
+        bm.check_invariants()
+        # hits leave the list (held again); the rest that left it were evicted, oldest first
+        hits = seq.block_table[:seq.num_cached_tokens // 4]
+        lru = [b for b in lru if b not in hits]
+        evicted = [b for b in lru if b not in bm.device.cached_block_ids]
+        assert evicted == lru[:len(evicted)], (
+            f"step {step}: allocating seq {seq.seq_id} evicted blocks {evicted}; the least "
+            f"recently cached go first: {lru[:len(evicted)]}")
+        lru = lru[len(evicted):]
+        seq.num_computed_tokens = len(seq)
+        bm.cache_full_blocks(seq)
+        held.append(seq)
+    for seq in held:
+        bm.free(seq)
+    bm.check_invariants()
+    assert bm.num_free_blocks == bm.num_blocks
+    assert bm.counts["num_evictions"] > 0, "the workload must evict: the pool is too big"

@@ -1,0 +1,126 @@
+"""
+Lab preemption: the victim, recompute and swap (Scheduler.schedule's victim and Scheduler.preempt,
+BlockManager._move in nanopaged.py).
+
+What the student writes: which request gives its blocks back when a running sequence is short of
+one (the last running in rank, until the sequence can append), and how: recomputed (its blocks
+freed, back in front of the waiting line) or swapped (every distinct block copied to the host
+pool, its table repointed, and back again later).
+What the tests pin, on an engine stepped without a model (tests/conftest.py step_without_model),
+three 4-token prompts in a 3-block pool, so that the first decode step must preempt: the victim,
+the victim's state after either mode, the K/V a swap carries out to the host and back, and every
+request finishing with all blocks free.
+
+    python tests/labs.py grade preemption
+"""
+import torch
+
+from conftest import assert_no_block_held, step_without_model
+from nanopaged import LLM, RequestStatus, SamplingParams
+
+PROMPTS = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]   # a block each; a decode needs one more
+
+
+def engine(mode, num_cpu_blocks=0):
+    """A 3-block pool with the three prompts admitted and computed (step 1): full."""
+    llm = LLM("random:tiny", block_size=4, num_blocks=3, num_cpu_blocks=num_cpu_blocks,
+              preemption_mode=mode, enable_prefix_caching=False, watermark_blocks=0,
+              async_copies=False)
+    llm.add_requests(PROMPTS, SamplingParams(max_tokens=3))
+    step_without_model(llm)
+    running = [r.request_id for r in llm.scheduler.running]
+    assert running == [0, 1, 2] and llm.block_manager.num_free_blocks == 0
+    return llm
+
+
+def preempted(llm):
+    """The seq ids of each "preempt" event so far, and its mode."""
+    return [(e.seq_ids, e.details["mode"]) for e in llm.events.records if e.kind == "preempt"]
+
+
+def finish(llm):
+    while llm.scheduler.has_unfinished():
+        step_without_model(llm)
+    assert_no_block_held(llm)
+
+
+def test_the_victim_is_the_last_running_request_in_rank():
+    """Step 2: request 0's decode needs a block: request 2, the last in rank, is preempted first."""
+    llm = engine("recompute")
+    step_without_model(llm)
+    events = preempted(llm)
+    assert events, ("step 2: nobody was preempted, yet the pool is full and every decode "
+                    "needs a block")
+    victim = events[0][0]
+    assert victim == (2,), (f"step 2: seq {victim} was preempted first; the victim must be the "
+                            "last running request in rank, seq 2")
+    assert llm.scheduler.running[0].request_id == 0, "step 2: request 0, first in rank, runs on"
+    finish(llm)
+
+
+def test_a_recomputed_request_frees_its_blocks_and_waits_in_front():
+    """Recompute: the victim holds no block, has nothing computed, and waits before newer
+    requests."""
+    llm = engine("recompute")
+    llm.add_requests([[13, 14, 15]], SamplingParams(max_tokens=3))   # arrives after the three
+    step_without_model(llm)
+    assert preempted(llm)[0] == ((2,), "recompute"), f"step 2: preemptions {preempted(llm)}"
+    victim = llm.requests[2]
+    seq = victim.seqs[0]
+    assert victim.status is RequestStatus.WAITING, f"request 2 is {victim.status}, not WAITING"
+    assert seq.block_table == [] and seq.num_computed_tokens == 0, (
+        f"seq 2 holds blocks {seq.block_table}, {seq.num_computed_tokens} tokens computed: a "
+        "recomputed request gives every block back and computes its tokens again")
+    # request 1, short of a block next, was the last in rank then: it gave its own back
+    line = [r.request_id for r in llm.scheduler.waiting]
+    assert line == [1, 2, 3], (f"waiting line {line}, want [1, 2, 3]: preempted requests go "
+                               "back in rank order, before newer ones")
+    finish(llm)
+
+
+def test_a_swap_carries_the_kv_to_the_host_and_back():
+    """Swap: the victim's table points into the host pool, at copies of its K/V; swapped back in,
+    its new device blocks hold the same K/V, and its tokens are not computed again."""
+    llm = engine("swap", num_cpu_blocks=4)
+    bm = llm.block_manager
+    # a distinct value in each device block's K/V, to follow it
+    for block_id in range(3):
+        llm.kv_cache[:, :, block_id] = block_id + 1
+    seq = llm.requests[2].seqs[0]
+    values = [block_id + 1 for block_id in seq.block_table]
+    computed = seq.num_computed_tokens
+    step_without_model(llm)
+    assert preempted(llm)[0] == ((2,), "swap"), f"step 2: preemptions {preempted(llm)}"
+    assert llm.requests[2].status is RequestStatus.SWAPPED and seq.seq_id in bm.host.seqs, (
+        "step 2: request 2 was swapped out: SWAPPED, its table in the host pool")
+    host = llm.kv_caches["host"]
+    for i, (block_id, value) in enumerate(zip(seq.block_table, values)):
+        assert torch.all(host[:, :, block_id] == value), (
+            f"step 2: seq 2 block {i}: host block {block_id} does not hold the K/V of its "
+            "device block: a swap copies every block out")
+    assert seq.num_computed_tokens == computed, "a swapped request keeps its computed tokens"
+    for step in range(3, 20):
+        step_without_model(llm)
+        if seq.seq_id in bm.device.seqs:
+            break
+    assert seq.seq_id in bm.device.seqs, "request 2 never came back from the host pool"
+    for i, value in enumerate(values):
+        block_id = seq.block_table[i]
+        assert torch.all(llm.kv_cache[:, :, block_id] == value), (
+            f"step {step}: seq 2 block {i}: device block {block_id} does not hold the K/V it "
+            "had before the swap: a swap-in copies every block back")
+    swapped = (bm.counts["num_swapped_out_blocks"], bm.counts["num_swapped_in_blocks"])
+    assert swapped[0] == swapped[1] > 0, f"blocks swapped out, in: {swapped}: all must come back"
+    finish(llm)
+    assert not bm.host.seqs and bm.host.num_free_blocks == 4, "the host pool is free again"
+
+
+def test_with_no_room_on_the_host_a_swap_recomputes():
+    """A 1-block host pool: step 2 swaps request 2 out into it, then request 1, short of a block
+    too, finds no room there and is recomputed."""
+    llm = engine("swap", num_cpu_blocks=1)
+    step_without_model(llm)
+    want = [((2,), "swap"), ((1,), "recompute")]
+    assert preempted(llm) == want, (f"step 2: preemptions {preempted(llm)}, want {want}: the "
+                                    "last in rank first; swapped while the host pool has room")
+    finish(llm)
