@@ -2868,7 +2868,7 @@ def save_svg(llm, folder, report):
 # 14. Command line: demos that provoke each mechanism, watched live or traced
 
 SYSTEM = "You are a helpful assistant. Answer in one short sentence."
-QUESTIONS = ["What is a cache?", "Why is the sky blue?", "What is a prime number?",
+QUESTIONS = ["What is a cache?", "Why is the sky blue?", "Which numbers are prime?",
              "Name a planet.", "What does a scheduler do?"]
 DEMOS = {   # name: what it shows
     "mix": "most of the below in one small pool (the default)",
@@ -2915,14 +2915,15 @@ def demo_arrivals(name, llm):
 
     def text(s, length=None, system=""):
         """Token ids of a chat: the system prompt, then s from the user, in the model's chat
-        template (random weights: a made-up id a word); cut or repeated to length."""
+        template (random weights: two made-up ids a word, as long as a chat); cut or repeated to
+        length."""
         if isinstance(s, str) and llm.tokenizer is not None:
             chat = [{"role": "system", "content": system}, {"role": "user", "content": s}]
             s = tokenize(llm, llm.tokenizer.apply_chat_template(chat, tokenize=False,
                                                                 add_generation_prompt=True))
         elif isinstance(s, str):
             vocab = llm.model.config.vocab_size
-            s = [sum(w.encode()) % vocab for w in f"{system} {s}".split()]
+            s = [n % vocab for w in f"{system} {s}".split() for n in (sum(w.encode()), len(w))]
         return (s * length)[:length] if length else s
 
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -2953,7 +2954,7 @@ def demo_arrivals(name, llm):
         "preempt": [(0, ask, longer)],
         "evict": one_every(12, ask[:4] + ask[3:4]),
         "batching": one_every(3, ask[:4]),
-        "chunked": [(0, ask[:1], longer), (2, [every_question], greedy)],
+        "chunked": [(0, ask[:1], longer), (4, [every_question], greedy)],
         # 200 tokens (50 blocks), then 196 (49): at step 2 the first has taken its 51st block
         "watermark": [(0, [text(ask[0], 200)], greedy), (1, [text(QUESTIONS[1], 196)], greedy)],
         "tiers": [(0, ask[:2], greedy), (12, ask[2:], greedy), (24, ask[:2], greedy)],
