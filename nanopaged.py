@@ -2868,7 +2868,7 @@ def save_svg(llm, folder, report):
 # 14. Command line: demos that provoke each mechanism, watched live or traced
 
 SYSTEM = "You are a helpful assistant. Answer in one short sentence."
-QUESTIONS = ["What is a cache?", "Why is the sky blue?", "Which numbers are prime?",
+QUESTIONS = ["What is a cache?", "Why is the sky blue?", "What makes a number prime?",
              "Name a planet.", "What does a scheduler do?"]
 DEMOS = {   # name: what it shows
     "mix": "most of the below in one small pool (the default)",
