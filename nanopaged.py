@@ -493,9 +493,8 @@ class BlockManager:
         return self.device.blocks[seq.block_table[-1]].ref_count > 1
 
     def can_append(self, seq):
-        if self.num_free_blocks > 0:
-            return True
-        return not (self._needs_new_block(seq) or self._needs_copy(seq))
+        return self.num_free_blocks > 0 or not (self._needs_new_block(seq)
+                                                or self._needs_copy(seq))
 
     def append_slot(self, seq):
         """Make sure the slot of seq's last token exists and may be written. Returns (src, dst)
@@ -561,7 +560,7 @@ class BlockManager:
             block = self.device.blocks[seq.block_table[i]]
             block.hash = self._block_hash(seq, i)
             block.token_ids = self._tokens(seq, i)
-            parent = self.device.blocks[seq.block_table[i - 1]] if i > 0 else None
+            parent = self.device.blocks[seq.block_table[i - 1]].prefix_id if i > 0 else None
             name_prefix(self, block, parent)   # (section 8)
             self._register(self.device, block)
 
@@ -600,8 +599,7 @@ class BlockManager:
         last = [s.block_table[-1] for s in writers if s not in new]
         copies = sum(min(last.count(b), self.host.blocks[b].ref_count - 1)
                      for b in set(last))
-        distinct = distinct_blocks(seqs)
-        return self.num_free_blocks - len(distinct) - len(new) - copies >= watermark
+        return self.num_free_blocks - len(distinct_blocks(seqs)) - len(new) - copies >= watermark
 
     def swap_out(self, *seqs):
         """Move seqs to the host pool. Returns [(device_block, host_block)], queued in copies."""
@@ -989,8 +987,7 @@ class LLM:
         # the tiers below (host memory, a disk file), the block copier between them, the copy
         # engine that makes copies in the background (async_copies, the default) and the cost
         # rule: section 9 builds them
-        tiers = build_tiers(self, args, block)
-        self.kv_caches, self.copier, self.copy_engine, cost = tiers
+        self.kv_caches, self.copier, self.copy_engine, cost = build_tiers(self, args, block)
         # callables that get every step's StepReport: the cost rule, the view
         self.on_step = [cost.observe]
         self.events = EventLog()   # what happened, as records (section 7)
@@ -1469,15 +1466,14 @@ def max_blocks_needed(llm, num_prompt_tokens, params):
 
 def validate_request(llm, token_ids, params):
     vocab = llm.model.config.vocab_size
-    max_num_seqs = llm.scheduler.max_num_seqs
     require(len(token_ids) > 0, "empty prompt: a prompt needs at least one token")
     bad = [t for t in token_ids if not (is_int(t) and 0 <= t < vocab)]
     require(not bad, f"token id {bad[:1]} outside the vocabulary: ids are ints in [0, {vocab})")
     require(len(token_ids) + params.max_tokens <= llm.max_model_len,
             f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
             f"max_model_len ({llm.max_model_len})")
-    require(params.n <= max_num_seqs,
-            f"n (or beam_width) {params.n} > max_num_seqs {max_num_seqs}")
+    require(params.n <= llm.scheduler.max_num_seqs,
+            f"n (or beam_width) {params.n} > max_num_seqs {llm.scheduler.max_num_seqs}")
     require(not isinstance(params, BeamSearchParams) or 2 * params.beam_width <= vocab,
             f"beam_width {params.n}: 2 * beam_width candidates exceed the vocabulary ({vocab})")
     need = max_blocks_needed(llm, len(token_ids), params)
@@ -1606,9 +1602,8 @@ class EventLog:
                to_ids=(), to_tier=None, **details):
         """An Event of kind: the Sequences it concerns (named by their ids), the rest as Event's."""
         seq_ids = tuple(s.seq_id for s in seqs)
-        event = Event(self.step, kind, seq_ids, tuple(block_ids), tier,
-                      tuple(to_ids), to_tier, details)
-        self.records.append(event)
+        self.records.append(Event(self.step, kind, seq_ids, tuple(block_ids), tier,
+                                  tuple(to_ids), to_tier, details))
 
     def take(self):
         records = self.records
@@ -1679,9 +1674,10 @@ def engine_stats(llm):
 # prefix id are (BlockManager._lookup). The hash finds a block; the prefix id names it.
 
 def name_prefix(bm, block, parent):
-    """A block being registered (its hash and tokens set), after parent (None: the first): the
-    prefix id of a copy registered in any tier already, else a new one."""
-    block.parent_prefix_id = parent.prefix_id if parent is not None else None
+    """A block being registered (its hash and tokens set), after the prefix whose prefix_id is
+    parent (None: the first block): the prefix id of a copy registered in any tier already, else
+    a new one."""
+    block.parent_prefix_id = parent
     twins = bm._lookup(bm.tiers, block.hash, block.token_ids, block.parent_prefix_id)
     block.prefix_id = twins[0][1].prefix_id if twins else next(bm.prefix_ids)
     block.hits = 0
@@ -1863,10 +1859,8 @@ def num_shared(bm, leader, seq):
 
 def blocks_for_siblings(bm, leader, siblings):
     """What forking siblings from leader takes."""
-    need = 0
-    for seq in siblings:
-        need += bm._num_blocks_for(len(seq)) - num_shared(bm, leader, seq)
-    return need
+    return sum(bm._num_blocks_for(len(seq)) - num_shared(bm, leader, seq)
+               for seq in siblings)
 
 
 def fork_from_leader(bm, leader, seq):
@@ -1930,8 +1924,8 @@ class CostModel:
 
     def load_figures(self, tier):
         """The rule's two sides for a block, as the trace tells them."""
-        copy_seconds = ms(self.seconds_per_block[tier.name])
-        return f"copy {copy_seconds} < recompute {ms(self.block_size * self.seconds_per_token)}"
+        return (f"copy {ms(self.seconds_per_block[tier.name])} < recompute "
+                f"{ms(self.block_size * self.seconds_per_token)}")
 
     def cheaper_mode(self, bm, request):
         """(mode, the rule's figures, as the trace tells them) for preemption_mode='auto'."""
@@ -1957,8 +1951,8 @@ def build_tiers(llm, args, block):
     the block copier between the tiers, its links as slow as tier_gbps says; with async_copies
     the copy engine; the cost rule, each tier's block copy timed now (each step's tokens after
     it). Returns (kv_caches: tier name -> K/V, copier, copy engine or None, cost)."""
-    head_dim = llm.model.config.head_dim
-    low_dtype, low_block = offload_block(args, block, head_dim, llm.kv_cache.dtype)
+    low_dtype, low_block = offload_block(args, block, llm.model.config.head_dim,
+                                         llm.kv_cache.dtype)
     host_shape, disk_shape = (low_block[:2] + (n,) + low_block[2:]
                               for n in (args.num_cpu_blocks, args.num_disk_blocks))
     pinned = llm.device.type == "cuda"
@@ -2258,8 +2252,7 @@ def open_disk_pool(path, shape, dtype):
         raise ValueError(f"num_disk_blocks: {num_bytes / 2**20:.1f} MiB do not fit in "
                          f"{folder} ({free / 2**20:.1f} MiB free): {why}") from None
     else:   # mapped: the mapping keeps the file once its name is gone
-        pool = torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype)
-        return pool.view(shape)
+        return torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
     finally:
         # the name goes at once, mapped or not: nothing outlives the engine
         os.close(fd)
@@ -2527,8 +2520,8 @@ def beam_round(scheduler, request):
     if request.seqs and request.seqs[0].num_output_tokens >= params.max_tokens:
         for beam in list(request.seqs):
             # out of tokens: the live beams end here
-            hypothesis = BeamHypothesis(beam.output_token_ids, beam.cum_logprob, "length")
-            request.hypotheses.append(hypothesis)
+            request.hypotheses.append(
+                BeamHypothesis(beam.output_token_ids, beam.cum_logprob, "length"))
             scheduler.finish(request, beam, "length")
     return len(chosen)
 
@@ -2903,10 +2896,10 @@ DEMO_POOLS = {
     "batching": dict(num_blocks=64),
     "priority": dict(num_blocks=16, scheduling_policy="priority", priority_aging_steps=3),
 }
-# links of 5 and 2 MB/s: a 4-token block of the default model (184 KB) takes about a step's time
-# to move on a CPU, as 2,000 tokens of history over PCIe and NVMe take on a GPU server
+# links of 20 and 10 MB/s: a 4-token block of the default model (184 KB) takes 9 and 18 ms, a
+# good part of a step on a CPU, as 2,000 tokens of history over PCIe and NVMe take on a GPU server
 DEMO_POOLS["overlap"] = dict(DEMO_POOLS["tiers"], async_copies=True,
-                             tier_gbps={"host": 0.005, "disk": 0.002})
+                             tier_gbps={"host": 0.02, "disk": 0.01})
 
 
 def demo_arrivals(name, llm):

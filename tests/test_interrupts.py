@@ -479,14 +479,15 @@ def test_a_second_and_a_third_ctrl_c_wait_for_the_recovery(monkeypatch):
 # once made (a step adds no request to llm.requests), rebuilt by start_over after an undo (the
 # pools and their blocks), or kept apart (a sequence's token_ids, cut back to their number; its
 # block_hashes, which a step extends only over blocks whose tokens were all there before it; a
-# request's random streams, whose states are cloned)
+# request's random streams, whose states are cloned), or counters (seq_ids, prefix_ids, clock:
+# an id handed out in an undone step is not handed out again, and every id stays unique)
 NOT_SAVED = {
     "LLM": "device dtype model tokenizer max_model_len kv_cache kv_caches copier copy_engine "
            "on_step events block_manager scheduler seed request_ids requests",
     "Scheduler": "block_manager events eos_token_ids max_num_seqs max_num_batched_tokens "
-                 "preemption_mode watermark_blocks",
+                 "preemption_mode watermark_blocks seq_ids",
     "PriorityScheduler": "block_manager events eos_token_ids max_num_seqs max_num_batched_tokens "
-                         "preemption_mode watermark_blocks aging_steps",
+                         "preemption_mode watermark_blocks aging_steps seq_ids",
     "BlockManager": "num_blocks block_size enable_prefix_caching events cost tiers device host "
                     "disk prefix_ids clock evicted",
     "EventLog": "",

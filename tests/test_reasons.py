@@ -329,11 +329,11 @@ def test_the_prefix_demo_says_why_seq_3_finds_one_block(capsys):
     assert ("seq 3's prompt: device 4 (block 0), first seen 4 (block 1), after a miss 16 "
             "(blocks 2-5)") in trace
     # in its small pool seq 3 is preempted; what it had computed and does not find when it comes
-    # back is recomputed; the friendly prompt again (seq 4) misses block 5, evicted for another
+    # back is recomputed; the friendly prompt again (seq 4) misses block 4, evicted for another
     # sequence
-    assert ("seq 3's prompt: device 4 (block 0), first seen 4 (block 1), after a miss 12 "
-            "(blocks 2-4), recomputed 8") in trace
-    evicted = re.search(r"seq 4's prompt: device 20 \(blocks 0-4\), evicted 4 \(block 5\), "
-                        r"last token 4 \(block 6\); block 5 was evicted from the device tier "
-                        r"at step (\d+) for seq (\d+)", trace)
+    assert ("seq 3's prompt: device 4 (block 0), first seen 4 (block 1), after a miss 8 "
+            "(blocks 2, 3), recomputed 12") in trace
+    evicted = re.search(r"seq 4's prompt: device 16 \(blocks 0-3\), evicted 4 \(block 4\), "
+                        r"after a miss 4 \(block 5\), last token 4 \(block 6\); block 4 was "
+                        r"evicted from the device tier at step (\d+) for seq (\d+)", trace)
     assert evicted and int(evicted[1]) < 25 and evicted[2] in "012"
