@@ -68,8 +68,9 @@ def test_exercise_1_prefix_hits_and_why_the_rest_missed():
     """Seqs 1 and 2 find blocks 0-4 (20 tokens: the system prompt in its chat template, and the
     user's turn header). Seq 3 finds block 0 alone: its block 1 holds "friendly", first seen, and
     each block's hash covers its parent's, h[i] = H(h[i-1], tokens), so blocks 2-6 miss after it
-    though their tokens are the others'. Preempted at 15, at 25 it finds its own blocks again and
-    recomputes 15 tokens. Seq 4 (the friendly prompt again) finds 0-3 and misses block 4: evicted at
+    though their tokens are the others'. Preempted at 15, at 25 it finds 4 blocks again (0, and
+    three of its own) and computes the rest: 15 of its prompt's tokens recomputed (17 with its two
+    generated). Seq 4 (the friendly prompt again) finds 0-3 and misses block 4: evicted at
     step 22 for seq 2. With caching off every prompt token is computed: 94 for 'caching off', 63
     recomputed after two preemptions, 236 prefill tokens in all against 114 with the cache."""
     t = run("--demo prefix")
@@ -145,11 +146,12 @@ def test_exercise_5_chunked_prefill():
 
 
 def test_exercise_6_the_watermark_keeps_a_block_for_decodes():
-    """At step 2 seq 0 holds 51 blocks: admitting seq 1's 49 would leave no block for seq 0's next
-    decode, so the watermark (1% of 100 blocks) holds it back until seq 0 finishes: it runs at 13.
-    With --watermark-blocks 0 it runs at step 2, seq 0 needs a 52nd block at step 3, so seq 1 (the
-    last running) is preempted, and at 13 it finds 47 of its 49 blocks: 405 prompt tokens computed,
-    not 396."""
+    """At step 2 seq 0 holds 51 blocks and 49 are free: seq 1's 49 would fit, but leave none, and
+    the watermark (1% of 100 blocks) keeps one free for the next decodes (steps 2-5; from step 6,
+    seq 0's 52nd block, seq 1 no longer fits). It runs at 13, once seq 0 has finished. With
+    --watermark-blocks 0 it runs at step 2; its 196 tokens fill 49 blocks exactly, so its own first
+    decode needs a 50th at step 3, none is free, and it, the last running, is preempted; at 13 it
+    finds 47 of its 49 blocks: 405 prompt tokens computed, not 396."""
     t = run("--demo watermark")
     assert "(51/100 blocks)" in t.header(2)
     waits = t.find(r"^seq 1 waits: it fits, but the watermark keeps 1 free for decodes$")
@@ -199,9 +201,10 @@ def test_exercise_8_swap_keeps_sharing():
 
 
 def test_exercise_9_the_cost_rule_chooses_the_mode():
-    """Under preemption_mode="auto" seq 3 is swapped: copying 9 blocks out and back (a fraction of a
-    millisecond on a CPU) is far below recomputing its 35 tokens (tens of milliseconds). Seq 2 is
-    recomputed: the host pool has no room for its blocks, whatever the rule says."""
+    """Under preemption_mode="auto" seq 3 is swapped: copying its 9 blocks out and back (a fraction
+    of a millisecond on a CPU) costs far less than recomputing its 35 tokens (a model's forward
+    pass over them: the figures are timed, so they vary). Seq 2 is recomputed: the host pool has
+    no room for its blocks, whatever the rule says."""
     t = run("--demo preempt --preemption-mode auto")
     swap = t.find(r"^seq 3 preempted by swap: .* \(copy 2 x 9 blocks ([\d.]+) ms, recompute 35 "
                   r"tokens ([\d.]+) ms\)$")
@@ -254,9 +257,12 @@ def test_exercise_12_copies_overlap_compute():
     landed. Made blocking, each step would wait for every copy. (Timed: which steps, varies.)"""
     t = run("--demo overlap")
     assert t.find(r"^copies made in the background")
-    sat_out = t.find(r"^seq (\d+) sits this step out \(loading\)")
+    back = t.find(r"^seq 5's prompt")[0][0]   # the questions come back
+    loads = [s for s, _ in t.find(r"^seq [56] finds block \d+ in the (host|disk) tier: loaded")]
+    assert loads and min(loads) >= back
+    sat_out = t.find(r"^seq ([56]) sits this step out \(loading\)")
     beside = [s for s, m in sat_out if re.search(r"decode|prefill", t.ran(s))]
-    assert beside, "no step ran others while a request's blocks were in flight"
+    assert beside, "no step ran others while a question's blocks were in flight"
 
 
 def test_exercise_13_int8_below_the_device():
