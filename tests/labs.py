@@ -11,8 +11,9 @@ model, under a minute) and says which invariant broke, in which block, at which 
 
 Where a lab's code is: each region is marked in the engine by one comment line directly above
 it, `# lab NAME: below, WHAT`; the region is the statement (a def, an if, a loop, an assignment)
-that starts on the next line. The project is every lab's solution: grading it passes every lab,
-and paste_back puts a region's lines back into a handout, byte for byte.
+that starts on the next line, and WHAT, its label, names the stub that replaces it. The project
+is every lab's solution: grading it passes every lab, and paste_back puts a region's lines back
+into a handout, byte for byte.
 
 Read it in order: the labs and their stubs; finding the regions; handout and paste_back;
 grading; the command line.
@@ -26,6 +27,7 @@ import sys
 import tempfile
 import textwrap
 import xml.etree.ElementTree as ET
+from collections import namedtuple
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,9 +36,10 @@ ENGINE_FILES = ["nanopaged.py", "kernel.py", "model.py"]
 MARKER = "# lab "
 
 # ----------------------------------------------------------------------------------------------
-# The labs. Each stub is keyed by the first line of the region it replaces, and is one statement
-# (comment lines may lead into it). A stub that can work does, naively, so that a handout fails
-# its own lab only: the other labs' tests allocate, free and fork as well.
+# The labs. Each stub is keyed by its region's label, what the marker says is below it (so that
+# no key is solution code: this file goes out with every handout), and is one statement (comment
+# lines may lead into it). A stub that can work does, naively, so that a handout fails its own
+# lab only: the other labs' tests allocate, free and fork as well.
 
 PREFIX_CACHE_LOOKUP = '''
 def _cache_hits(self, seq):
@@ -59,10 +62,10 @@ def _evict(self, pool, seq):
     """Take pool's cached block freed longest ago out of the prefix cache, emptied: its K/V
     are written down to a tier below (_write_down), or lost. Which tier: section 8.
 
-    Lab eviction: pool.cached_block_ids is an OrderedDict, in the order its blocks became
-    cached (_cache puts each last): evict the least recently cached, the first. This stub
-    evicts the newest, the block freed last, likeliest to be asked for again: it works, but
-    the prefix cache hits less."""
+    Lab eviction: the victim is the block that has been cached the longest; a block freed
+    lately is the likeliest to be asked for again. pool.cached_block_ids holds the cached
+    blocks, keeping the order in which _cache added them. This stub takes the block cached
+    last, the one most worth keeping: it works, but the prefix cache hits less."""
     block_id, _ = pool.cached_block_ids.popitem(last=True)
     write_down_or_lose(self, pool, pool.blocks[block_id], seq)   # (section 8)
     self._unregister(pool, pool.blocks[block_id])
@@ -74,9 +77,10 @@ def free(self, seq, coming_back=False):
     """Drop seq's hold on its blocks, in whichever pool its table points into.
     coming_back (preempted, to be recomputed): each counts as found once more.
 
-    Lab eviction: release the blocks tail first (_release caches a registered block nobody
-    holds, as the newest), so that the tail is evicted before the prefix, which other
-    requests are likelier to share. This stub releases them head first."""
+    Lab eviction: release the blocks in the order that gets the tail evicted before the
+    prefix, which other requests are likelier to share (_release caches a registered block
+    nobody holds; _evict takes the one cached longest ago). This stub releases them head
+    first: it works, but a prefix is lost before its own tail."""
     pool = self.host if seq.seq_id in self.host.seqs else self.device
     for block_id in seq.block_table:
         block = pool.blocks[block_id]
@@ -194,7 +198,7 @@ class Lab:
     name: str
     mechanism: str   # what the verdict names
     writes: str      # what the student writes, and where
-    # a region's first line (stripped) -> the stub that replaces the region
+    # a region's label (its marker's words after "below, ") -> the stub that replaces it
     stubs: dict
 
     @property
@@ -205,27 +209,24 @@ class Lab:
 LABS = [
     Lab("block-table", "the block table and the slot mapping",
         "LLM._prepare's slot mapping (nanopaged.py), paged_attention_ref's gather (kernel.py)",
-        {"batch.slot_mapping += [seq.block_table[p // block_size] * block_size + p % "
-         "block_size": SLOT_MAPPING,
-         "k, v = (cache.index_select(0, ids).view(len(rows), -1, *cache.shape[2:])"
-         ".transpose(1, 2)": GATHER}),
+        {"the slot mapping": SLOT_MAPPING,
+         "the gather through the block tables": GATHER}),
     Lab("prefix-cache", "the hash-chain lookup",
         "BlockManager._cache_hits (nanopaged.py)",
-        {"def _cache_hits(self, seq):": PREFIX_CACHE_LOOKUP}),
+        {"the walk along the hash chain": PREFIX_CACHE_LOOKUP}),
     Lab("copy-on-write", "fork and copy-on-write",
         "BlockManager.fork and append_slot's copy branch (nanopaged.py)",
-        {"def fork(self, parent, child, num_blocks=None):": FORK_SHARES,
-         "if self._needs_new_block(seq):": COPY_ON_WRITE}),
+        {"a fork shares its parent's blocks": FORK_SHARES,
+         "a writer of a shared block copies it first": COPY_ON_WRITE}),
     Lab("eviction", "free and LRU eviction",
         "BlockManager.free's order and _evict's victim (nanopaged.py)",
-        {"def free(self, seq, coming_back=False):": FREE_TAIL_FIRST,
-         "def _evict(self, pool, seq):": EVICT_OLDEST}),
+        {"the order free releases blocks in": FREE_TAIL_FIRST,
+         "which cached block is evicted": EVICT_OLDEST}),
     Lab("preemption", "preemption: the victim, recompute and swap",
         "Scheduler.schedule's victim, Scheduler.preempt, BlockManager._move (nanopaged.py)",
-        {"while request.status is RequestStatus.RUNNING and not bm.can_append(seq):":
-         PREEMPT_VICTIM,
-         "def preempt(self, request, batch, mode=None):": PREEMPT_MODE,
-         "def _move(self, seqs, src, dst, kind, counter):": SWAP_MOVE}),
+        {"the victim": PREEMPT_VICTIM,
+         "swap or recompute": PREEMPT_MODE,
+         "a swap moves a request's blocks between tiers": SWAP_MOVE}),
 ]
 LAB_NAMES = {lab.name: lab for lab in LABS}
 
@@ -240,15 +241,24 @@ def marker_lab(line):
     return text.removeprefix(MARKER).split(":")[0]
 
 
+def marker_label(line):
+    """What a marker line says is below it: `# lab NAME: below, WHAT` gives WHAT."""
+    return line.strip().split(": below, ", 1)[1]
+
+
+# one region: its marker's label, its lines as 0-based indices (end excluded)
+Region = namedtuple("Region", "label start end")
+
+
 def first_line(node):   # a def's decorators come first
     decorators = getattr(node, "decorator_list", [])
     return min([node.lineno] + [d.lineno for d in decorators])
 
 
 def regions(text, lab):
-    """[(start, end)] of lab's regions in text, as 0-based line indices, end excluded: from the
-    line after each marker to the end of the first statement that starts there or below (the
-    comment lines before it, a stub's, are in the region too)."""
+    """[Region] of lab's regions in text, in order: from the line after each marker to the end of
+    the first statement that starts there or below (the comment lines before it, a stub's, are
+    in the region too)."""
     lines = text.splitlines(keepends=True)
     statements = [n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.stmt)]
     found = []
@@ -259,7 +269,7 @@ def regions(text, lab):
         after = [n for n in statements if first_line(n) >= i + 2]
         # the first to start; of those starting on one line, the outermost
         node = min(after, key=lambda n: (first_line(n), -n.end_lineno))
-        found.append((i + 1, node.end_lineno))
+        found.append(Region(marker_label(line), i + 1, node.end_lineno))
     return found
 
 
@@ -270,8 +280,8 @@ def replace_regions(text, lab, replacements):
     if len(found) != len(replacements):
         raise ValueError(f"lab {lab.name}: {len(found)} regions, {len(replacements)} to put in")
     # from the bottom up, so that the line indices above stay good
-    for (start, end), new in reversed(list(zip(found, replacements))):
-        lines[start:end] = new
+    for region, new in reversed(list(zip(found, replacements))):
+        lines[region.start:region.end] = new
     return "".join(lines)
 
 
@@ -282,12 +292,12 @@ def indented(stub, like):
     return [indent + line if line.strip() else line for line in lines]
 
 
-def stub_for(lab, region):
-    """The stub of lab that replaces region (its lines), at its indentation."""
-    key = region[0].strip()
-    if key not in lab.stubs:
-        raise KeyError(f"lab {lab.name}: no stub for the region that starts {key!r}")
-    return indented(lab.stubs[key], region[0])
+def stub_for(lab, region, lines):
+    """The stub of lab that replaces region (a Region of lines), at the indentation of its first
+    line."""
+    if region.label not in lab.stubs:
+        raise KeyError(f"lab {lab.name}: no stub for the region labelled {region.label!r}")
+    return indented(lab.stubs[region.label], lines[region.start])
 
 # ----------------------------------------------------------------------------------------------
 # Handouts, and the solution pasted back
@@ -318,8 +328,10 @@ def write(path, text):
 def make_handout(lab, dest, root=ROOT):
     """Copy the project to dest with lab's regions replaced by their stubs. Returns the engine
     files changed."""
-    if os.path.exists(dest) and os.listdir(dest):
-        raise FileExistsError(f"{dest} is not empty: a handout goes into a new folder")
+    is_empty_folder = os.path.isdir(dest) and not os.listdir(dest)
+    if os.path.exists(dest) and not is_empty_folder:
+        raise FileExistsError(f"{dest} is not an empty folder: a handout goes into a new or "
+                              "empty one")
     for name in project_files(root):
         os.makedirs(os.path.dirname(os.path.join(dest, name)), exist_ok=True)
         shutil.copyfile(os.path.join(root, name), os.path.join(dest, name))
@@ -328,7 +340,7 @@ def make_handout(lab, dest, root=ROOT):
         path = os.path.join(dest, name)
         text = read(path)
         lines = text.splitlines(keepends=True)
-        stubs = [stub_for(lab, lines[start:end]) for start, end in regions(text, lab)]
+        stubs = [stub_for(lab, region, lines) for region in regions(text, lab)]
         stubbed = replace_regions(text, lab, stubs)
         if stubbed != text:
             write(path, stubbed)
@@ -343,7 +355,7 @@ def paste_back(lab, handout, root=ROOT):
     for name in ENGINE_FILES:
         solution = read(os.path.join(root, name))
         lines = solution.splitlines(keepends=True)
-        originals = [lines[start:end] for start, end in regions(solution, lab)]
+        originals = [lines[r.start:r.end] for r in regions(solution, lab)]
         path = os.path.join(handout, name)
         text = read(path)
         pasted = replace_regions(text, lab, originals)
@@ -354,6 +366,11 @@ def paste_back(lab, handout, root=ROOT):
 
 # ----------------------------------------------------------------------------------------------
 # Grading: a lab's tests in one pytest run, a verdict a student can act on
+
+def plural(n, noun):
+    """"1 block", "2 blocks": for the lab tests' messages."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
 
 @dataclass
 class Result:
@@ -426,7 +443,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.command == "handout":
         lab = LAB_NAMES[args.lab]
-        changed = make_handout(lab, args.dir)
+        try:
+            changed = make_handout(lab, args.dir)
+        except FileExistsError as error:
+            # bad input, as argparse reports it: usage, one line, exit status 2
+            parser.error(str(error))
         print(f"{args.dir}: the project, with {lab.mechanism} stubbed out in "
               f"{', '.join(changed)}")
         print(f"write {lab.writes}; the stubs say what. Then grade it:")

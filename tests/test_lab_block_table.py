@@ -16,6 +16,7 @@ from collections import deque
 import torch
 
 from conftest import assert_no_block_held, checked, hf_greedy
+from labs import plural
 from kernel import paged_attention_ref
 from model import load_hf
 from nanopaged import LLM, SamplingParams
@@ -37,7 +38,7 @@ def test_the_slot_mapping_of_a_known_block_table():
     for p, (g, w) in enumerate(zip(got, want)):
         assert g == w, (f"position {p}: logical block {p // 4}, physical block "
                         f"{seq.block_table[p // 4]}, offset {p % 4}: slot {w}, got {g}")
-    assert len(got) == len(want), f"{len(got)} slots for {len(want)} new tokens"
+    assert len(got) == len(want), f"{plural(len(got), 'slot')} for {len(want)} new tokens"
     llm.scheduler.postprocess(batch, {seq: [1]})
     batch = llm.scheduler.schedule()
     model_batch, _ = llm._prepare(batch)

@@ -15,6 +15,7 @@ writer, none for full blocks or for the last holder, and the copied K/V equal to
 import torch
 
 from conftest import SEQ_IDS, assert_no_block_held, step_without_model
+from labs import plural
 from nanopaged import LLM, BlockCopy, BlockManager, SamplingParams, Sequence
 
 
@@ -40,8 +41,8 @@ def assert_ref_counts(bm, seqs):
     for block_id in {b for s in seqs for b in s.block_table}:
         holders = [s.seq_id for s in seqs if block_id in s.block_table]
         r = bm.device.blocks[block_id].ref_count
-        assert r == len(holders), (f"block {block_id}: ref_count {r}, but {len(holders)} "
-                                   f"sequences hold it (seqs {holders})")
+        assert r == len(holders), (f"block {block_id}: ref_count {r}, but it is held by "
+                                   f"{plural(len(holders), 'sequence')} (seqs {holders})")
 
 
 def test_fork_shares_every_block_and_copies_nothing():
@@ -72,8 +73,9 @@ def test_fork_with_num_blocks_shares_only_the_first():
         f"fork(num_blocks=1): seq {child.seq_id}'s block 0 is {child.block_table[0]}; it must "
         f"share the parent's {parent.block_table[0]}")
     assert child.block_table[1] != parent.block_table[1], "block 1 is past num_blocks: fresh"
-    assert child.num_computed_tokens == 4, (f"seq {child.seq_id}: {child.num_computed_tokens} "
-                                            "tokens computed; only the shared block's 4 are")
+    assert child.num_computed_tokens == 4, (
+        f"seq {child.seq_id}: {plural(child.num_computed_tokens, 'token')} computed; only the "
+        "shared block's 4 are")
     assert_ref_counts(bm, [parent, child])
     for seq in (parent, child):
         bm.free(seq)

@@ -34,8 +34,8 @@ def test_free_releases_the_tail_first():
     bm.check_invariants()
     cached = list(bm.device.cached_block_ids)
     assert cached == table[::-1], (f"after free(seq {seq.seq_id}) with blocks {table}, the cached "
-                                   f"order (oldest first) is {cached}; free releases the tail "
-                                   f"first, so it must be {table[::-1]}")
+                                   f"order (oldest first) is {cached}, want {table[::-1]} (free "
+                                   "must release tail first)")
 
 
 def test_empty_blocks_go_before_cached_ones_then_the_oldest_cached():
@@ -46,12 +46,15 @@ def test_empty_blocks_go_before_cached_ones_then_the_oldest_cached():
     bm.free(a)
     bm.free(b)
     bm.check_invariants()
+    cached = list(bm.device.cached_block_ids)
+    assert cached == [1, 0, 3, 2], (f"after free(a), free(b) the cached order (oldest first) is "
+                                    f"{cached}, want [1, 0, 3, 2] (free must release tail first)")
     new = computed(bm, list(range(300, 320)))   # 5 blocks, nothing in common
     assert new.block_table[:2] == [4, 5], (f"seq {new.seq_id} got {new.block_table[:2]} first; "
                                            "the empty blocks 4, 5 go before any cached one")
     assert new.block_table[2:] == [1, 0, 3], (
-        f"seq {new.seq_id} evicted {new.block_table[2:]}; the least recently cached go first: "
-        "a's tail 1, a's head 0, then b's tail 3")
+        f"seq {new.seq_id} evicted {new.block_table[2:]} from cached blocks [1, 0, 3, 2] (oldest "
+        "first); want [1, 0, 3] (_evict must take the block cached longest ago)")
     assert bm.counts["num_evictions"] == 3
     assert list(bm.device.cached_block_ids) == [2], "block 2, cached last, must still be cached"
     bm.free(new)
@@ -78,8 +81,8 @@ def test_evictions_follow_a_plain_lru_list():
             bm.check_invariants()
             cached = list(bm.device.cached_block_ids)
             assert cached == lru, (f"step {step}: after free(seq {seq.seq_id}) the cached order "
-                                   f"(oldest first) is {cached}, want {lru}: tail first, each "
-                                   "block cached last")
+                                   f"(oldest first) is {cached}, want {lru} (free must release "
+                                   "tail first, each block cached as the newest)")
             continue
         seq = Sequence(next(SEQ_IDS), rng.choice(prompts))
         bm.allocate(seq)
@@ -89,8 +92,9 @@ def test_evictions_follow_a_plain_lru_list():
         lru = [b for b in lru if b not in hits]
         evicted = [b for b in lru if b not in bm.device.cached_block_ids]
         assert evicted == lru[:len(evicted)], (
-            f"step {step}: allocating seq {seq.seq_id} evicted blocks {evicted}; the least "
-            f"recently cached go first: {lru[:len(evicted)]}")
+            f"step {step}: allocating seq {seq.seq_id} evicted blocks {evicted} from cached "
+            f"blocks {lru} (oldest first); want {lru[:len(evicted)]} (_evict must take the "
+            "block cached longest ago)")
         lru = lru[len(evicted):]
         seq.num_computed_tokens = len(seq)
         bm.cache_full_blocks(seq)

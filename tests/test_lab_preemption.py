@@ -9,14 +9,16 @@ pool, its table repointed, and back again later).
 What the tests pin, on an engine stepped without a model (tests/conftest.py step_without_model),
 three 4-token prompts in a 3-block pool, so that the first decode step must preempt: the victim,
 the victim's state after either mode, the K/V a swap carries out to the host and back, and every
-request finishing with all blocks free.
+request finishing with all blocks free. On BlockManager alone: blocks two sequences share are
+swapped once, and stay shared on the host and back on the device.
 
     python tests/labs.py grade preemption
 """
 import torch
 
-from conftest import assert_no_block_held, step_without_model
-from nanopaged import LLM, RequestStatus, SamplingParams
+from conftest import SEQ_IDS, assert_no_block_held, step_without_model
+from labs import plural
+from nanopaged import LLM, BlockManager, RequestStatus, SamplingParams, Sequence
 
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]   # a block each; a decode needs one more
 
@@ -69,8 +71,8 @@ def test_a_recomputed_request_frees_its_blocks_and_waits_in_front():
     seq = victim.seqs[0]
     assert victim.status is RequestStatus.WAITING, f"request 2 is {victim.status}, not WAITING"
     assert seq.block_table == [] and seq.num_computed_tokens == 0, (
-        f"seq 2 holds blocks {seq.block_table}, {seq.num_computed_tokens} tokens computed: a "
-        "recomputed request gives every block back and computes its tokens again")
+        f"seq 2 holds blocks {seq.block_table}, {plural(seq.num_computed_tokens, 'token')} "
+        "computed: a recomputed request gives every block back and computes its tokens again")
     # request 1, short of a block next, was the last in rank then: it gave its own back
     line = [r.request_id for r in llm.scheduler.waiting]
     assert line == [1, 2, 3], (f"waiting line {line}, want [1, 2, 3]: preempted requests go "
@@ -124,3 +126,59 @@ def test_with_no_room_on_the_host_a_swap_recomputes():
     assert preempted(llm) == want, (f"step 2: preemptions {preempted(llm)}, want {want}: the "
                                     "last in rank first; swapped while the host pool has room")
     finish(llm)
+
+
+def sharing(bm, tokens, num_shared):
+    """Two computed sequences, b holding a's first num_shared blocks as a fork leaves them (each
+    held once more), set up by hand: this lab's tests lean on no other lab's code."""
+    a = Sequence(next(SEQ_IDS), tokens)
+    bm.allocate(a)
+    a.num_computed_tokens = len(a)
+    b = Sequence(next(SEQ_IDS), tokens)
+    shared = a.block_table[:num_shared]
+    for block_id in shared:
+        bm._hold(bm.device, bm.device.blocks[block_id])
+    bm._set_table(b, shared)
+    b.num_computed_tokens = len(b)
+    bm.check_invariants()
+    return a, b
+
+
+def assert_shared(bm, pool, a, b, num_shared):
+    """a and b hold the same first num_shared blocks of pool, each with ref_count 2, and their
+    own blocks after."""
+    where = (f"in the {pool.name} pool, seq {a.seq_id} holds {a.block_table}, seq {b.seq_id} "
+             f"{b.block_table}")
+    assert a.block_table[:num_shared] == b.block_table[:num_shared], (
+        f"{where}: their first {plural(num_shared, 'block')} were shared and must stay shared "
+        "(a swap copies each distinct block once)")
+    for block_id in a.block_table[:num_shared]:
+        r = pool.blocks[block_id].ref_count
+        assert r == 2, f"{where}: shared block {block_id} has ref_count {r}, want 2"
+    assert not set(a.block_table[num_shared:]) & set(b.block_table[num_shared:]), (
+        f"{where}: only their first {plural(num_shared, 'block')} are shared")
+
+
+def test_a_swap_moves_a_shared_block_once_and_it_stays_shared():
+    """Seqs a and b share 2 of their 3 blocks: swapped out together they take 4 host blocks, the
+    2 shared ones held by both (ref_count 2); swapped back in, the same on the device."""
+    bm = BlockManager(8, 4, num_cpu_blocks=8)
+    a, b = sharing(bm, list(range(1, 11)), 2)
+    assert_shared(bm, bm.device, a, b, 2)
+    moved = bm.swap_out(a, b)
+    bm.check_invariants()
+    assert len(moved) == 4 and bm.host.num_free_blocks == 4, (
+        f"swap_out(a, b) moved {plural(len(moved), 'block')} {moved}, "
+        f"{plural(8 - bm.host.num_free_blocks, 'host block')} taken: want 4, one per distinct "
+        "block (the 2 shared, a's last, b's last)")
+    assert_shared(bm, bm.host, a, b, 2)
+    moved = bm.swap_in(a, b)
+    bm.check_invariants()
+    assert len(moved) == 4 and bm.num_free_blocks == 4, (
+        f"swap_in(a, b) moved {plural(len(moved), 'block')} {moved}, "
+        f"{plural(8 - bm.num_free_blocks, 'device block')} taken: want 4, one per distinct block")
+    assert_shared(bm, bm.device, a, b, 2)
+    for seq in (a, b):
+        bm.free(seq)
+    bm.check_invariants()
+    assert bm.num_free_blocks == 8 and bm.host.num_free_blocks == 8, "every block free again"

@@ -50,19 +50,18 @@ def graded(tmp_path_factory):
 
 
 def test_every_marker_names_a_lab_and_every_stub_a_region():
-    """Each `# lab NAME: below, ...` line names a lab; a lab's stubs match its regions, one
-    to one."""
+    """Each `# lab NAME: below, ...` line names a lab; a lab's stubs match its regions' labels,
+    one to one."""
     for name in labs.ENGINE_FILES:
         for line in project_text(name).splitlines():
             lab = labs.marker_lab(line)
             assert lab is None or lab in labs.LAB_NAMES, f"{name}: unknown lab in {line.strip()!r}"
     for lab in labs.LABS:
-        firsts = []
+        labels = []
         for name in labs.ENGINE_FILES:
-            text = project_text(name)
-            lines = text.splitlines()
-            firsts += [lines[start].strip() for start, _ in labs.regions(text, lab)]
-        assert sorted(firsts) == sorted(lab.stubs), f"lab {lab.name}: regions {firsts}"
+            labels += [region.label for region in labs.regions(project_text(name), lab)]
+        assert sorted(labels) == sorted(lab.stubs), (f"lab {lab.name}: the markers say {labels}, "
+                                                     f"the stubs are keyed {list(lab.stubs)}")
 
 
 def test_handouts_parse_and_keep_lines_within_100_columns():
@@ -71,7 +70,7 @@ def test_handouts_parse_and_keep_lines_within_100_columns():
         for name in labs.ENGINE_FILES:
             text = project_text(name)
             lines = text.splitlines(keepends=True)
-            stubs = [labs.stub_for(lab, lines[start:end]) for start, end in labs.regions(text, lab)]
+            stubs = [labs.stub_for(lab, region, lines) for region in labs.regions(text, lab)]
             stubbed = labs.replace_regions(text, lab, stubs)
             ast.parse(stubbed)
             wide = [line for line in stubbed.splitlines() if len(line) > 100]
@@ -116,3 +115,43 @@ def test_the_command_line_lists_every_lab():
     out = subprocess.run(["python", os.path.join(labs.ROOT, "tests", "labs.py")],
                          capture_output=True, text=True, check=True).stdout.splitlines()
     assert [line.split()[0] for line in out] == LAB_IDS
+
+
+def solution_code(lab):
+    """The code lines (stripped) of lab's regions in the project that its stubs do not give away
+    (a stub's instructions name some calls): what the student is to write."""
+    stubs = "\n".join(lab.stubs.values())
+    found = set()
+    for name in labs.ENGINE_FILES:
+        text = project_text(name)
+        lines = text.splitlines()
+        for region in labs.regions(text, lab):
+            found |= {line.strip() for line in lines[region.start:region.end]}
+    return {line for line in found
+            if line and not line.startswith(("#", '"""')) and line not in stubs}
+
+
+def test_a_handouts_labs_py_holds_no_solution_code(tmp_path):
+    """tests/labs.py goes out with every handout, as is (one handout stands for all): neither its
+    lines nor its strings (joined, as Python joins "a" "b") hold a line of any lab's solution
+    (short ones, `break`, `else:`, are anybody's)."""
+    labs.make_handout(labs.LABS[0], str(tmp_path))
+    text = labs.read(tmp_path / "tests" / "labs.py")
+    strings = [node.value for node in ast.walk(ast.parse(text))
+               if isinstance(node, ast.Constant) and isinstance(node.value, str)]
+    handout = "\n".join([text, *strings])
+    for lab in labs.LABS:
+        leaked = sorted(line for line in solution_code(lab) if len(line) > 12 and line in handout)
+        assert not leaked, f"a handout's tests/labs.py holds lab {lab.name}'s {leaked}"
+
+
+def test_a_handout_into_a_folder_not_empty_is_refused_as_bad_input(tmp_path):
+    """`handout LAB DIR` with DIR holding files: argparse's one-line error, exit status 2, and
+    nothing written."""
+    (tmp_path / "notes.txt").write_text("mine")
+    run = subprocess.run(["python", os.path.join(labs.ROOT, "tests", "labs.py"), "handout",
+                          "eviction", str(tmp_path)], capture_output=True, text=True)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.splitlines()[-1] == (f"labs.py: error: {tmp_path} is not an empty folder: a "
+                                           "handout goes into a new or empty one"), run.stderr
+    assert "Traceback" not in run.stderr and os.listdir(tmp_path) == ["notes.txt"]
