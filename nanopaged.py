@@ -2911,9 +2911,9 @@ def demo_arrivals(name, llm):
         template (random weights: two made-up ids a word, as long as a chat); repeated, then cut
         to length from the front (a chat ends as its template ends it)."""
         if isinstance(s, str) and llm.tokenizer is not None:
-            chat = [{"role": "system", "content": system}, {"role": "user", "content": s}]
             # a model with no chat template (a base model) reads the plain text
             if llm.tokenizer.chat_template:
+                chat = [{"role": "system", "content": system}, {"role": "user", "content": s}]
                 s = llm.tokenizer.apply_chat_template(chat, tokenize=False,
                                                       add_generation_prompt=True)
             else:

@@ -17,6 +17,18 @@ torch.set_num_threads(2)
 SEQ_IDS = itertools.count()
 
 
+def computed(bm, tokens):
+    """A prompt as the engine computes it: allocated, every token computed, its full blocks
+    registered in the prefix cache."""
+    from nanopaged import Sequence
+    seq = Sequence(next(SEQ_IDS), tokens)
+    bm.allocate(seq)
+    seq.num_computed_tokens = len(seq)
+    bm.cache_full_blocks(seq)
+    bm.check_invariants()
+    return seq
+
+
 def checked(llm):
     """Make every engine step end with check_invariants() (through the step hook); returns llm."""
     llm.on_step.append(lambda report: llm.block_manager.check_invariants())

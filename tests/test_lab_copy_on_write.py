@@ -14,19 +14,9 @@ writer, none for full blocks or for the last holder, and the copied K/V equal to
 """
 import torch
 
-from conftest import SEQ_IDS, assert_no_block_held, step_without_model
+from conftest import SEQ_IDS, assert_no_block_held, computed, step_without_model
 from labs import plural
 from nanopaged import LLM, BlockCopy, BlockManager, SamplingParams, Sequence
-
-
-def computed(bm, tokens):
-    """A prompt as the engine computes it: allocated, computed, its full blocks registered."""
-    seq = Sequence(next(SEQ_IDS), tokens)
-    bm.allocate(seq)
-    seq.num_computed_tokens = len(seq)
-    bm.cache_full_blocks(seq)
-    bm.check_invariants()
-    return seq
 
 
 def forked(bm, parent, num_blocks=None):

@@ -11,18 +11,8 @@ which blocks each allocation evicts, against a plain list kept by the test (the 
 """
 import random
 
-from conftest import SEQ_IDS
+from conftest import SEQ_IDS, computed
 from nanopaged import BlockManager, Sequence
-
-
-def computed(bm, tokens):
-    """A prompt as the engine computes it: allocated, computed, its full blocks registered."""
-    seq = Sequence(next(SEQ_IDS), tokens)
-    bm.allocate(seq)
-    seq.num_computed_tokens = len(seq)
-    bm.cache_full_blocks(seq)
-    bm.check_invariants()
-    return seq
 
 
 def test_free_releases_the_tail_first():

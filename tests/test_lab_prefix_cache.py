@@ -13,20 +13,9 @@ down to the host tier are found there and loaded, unless a swapped-out request h
 """
 import random
 
-from conftest import SEQ_IDS
+from conftest import SEQ_IDS, computed
 from labs import plural
 from nanopaged import BlockManager, Sequence
-
-
-def computed(bm, tokens):
-    """A prompt as the engine computes it: allocated, every token computed, full blocks
-    registered in the prefix cache."""
-    seq = Sequence(next(SEQ_IDS), tokens)
-    bm.allocate(seq)
-    seq.num_computed_tokens = len(seq)
-    bm.cache_full_blocks(seq)
-    bm.check_invariants()
-    return seq
 
 
 def allocated(bm, tokens):
