@@ -287,7 +287,8 @@ def kv_dtype(args):
         # one row of logits each.
         first = []
 
-        def keep(model, inputs, logits):
+        def keep(model, inputs, outputs):
+            logits, _ = outputs
             first.append(logits.log_softmax(-1))
 
         # The hook is removed as the with block ends.

@@ -176,8 +176,9 @@ class Llama(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @torch.inference_mode()
-    def forward(self, batch: Batch, kv_cache: torch.Tensor) -> torch.Tensor:
-        """kv_cache: (2, num_layers, num_blocks, block_size, kv_heads, head_dim)."""
+    def forward(self, batch: Batch, kv_cache: torch.Tensor):
+        """kv_cache: (2, num_layers, num_blocks, block_size, kv_heads, head_dim). Returns (logits,
+        finite), below."""
         x = self.embed_tokens(batch.input_ids)   # (T, hidden)
         # rotary: the pair (i, i + head_dim/2) turns at frequency theta^(-2i/head_dim); each
         # frequency stands twice, at both members of its pair, as rotary() pairs them. In float32
@@ -204,8 +205,10 @@ class Llama(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], batch, plan)
         # logits (the vocabulary matmul) only for the last token of a sequence ending its chunk:
-        # (num_sampled, vocab)
-        return self.lm_head(self.norm(x[batch.logits_indices])).float()
+        # (num_sampled, vocab); and whether each token's hidden state is finite, (T,) bool: a NaN
+        # in a chunk that samples nothing would otherwise reach the cache unseen
+        logits = self.lm_head(self.norm(x[batch.logits_indices])).float()
+        return logits, x.isfinite().all(-1)
 
 # ==============================================================================================
 # reading path ends here; below, Linear's CPU path, then weight loading from transformers' tensors

@@ -33,13 +33,11 @@ search rounds, 12. priorities and aging, 13. the live view, 14. the command line
 """
 import argparse
 import array
-import atexit
 import bisect
 import concurrent.futures
 import contextlib
 import dataclasses
 import functools
-import gc
 import io
 import itertools
 import math
@@ -659,6 +657,8 @@ class ScheduledBatch:
     entries: list = field(default_factory=list)
     # each token's slot (LLM._prepare fills it)
     slot_mapping: list = field(default_factory=list)
+    # the model's seconds on it (LLM._step): compute alone, no wait for copies (the cost rule's)
+    model_seconds: float = 0.0
 
     def __post_init__(self):
         # the entries' tokens, kept as entries come and go: a sum at every add (and is_full)
@@ -1004,11 +1004,6 @@ class LLM:
         self.num_steps = 0
         self.num_prefill_tokens_computed = 0
         self.num_generated_tokens = 0
-        # as vLLM does after start-up (freeze_gc_heap): what exists now (the imports, the model)
-        # leaves the garbage collector's full scans: ~0.2 s each on a CPU, in the middle of a step
-        gc.freeze()
-        # at exit all of it goes back, to the last collection
-        atexit.register(gc.unfreeze)
 
     # -- requests in
     def add_requests(self, prompts, params=None, kind=SamplingParams, priority=None):
@@ -1115,11 +1110,14 @@ class LLM:
             batch = self.copy_engine.start(self, batch)
         # 2. the batch as tensors (model.Batch), and the sequences whose logits are sampled
         model_batch, to_sample = self._prepare(batch)
-        # 3. the model writes every new token's K/V into its slot and returns logits to sample:
-        #    (len(to_sample), vocab) float32
-        logits = self.model(model_batch, self.kv_cache).cpu()
-        # NaN or inf: an error naming them (section 10)
-        check_logits(self, logits, to_sample)
+        # 3. the model writes every new token's K/V into its slot and returns logits to sample,
+        #    (len(to_sample), vocab) float32, and whether each token's hidden state is finite
+        t0 = time.perf_counter()
+        logits, finite = self.model(model_batch, self.kv_cache)
+        logits = logits.cpu()
+        batch.model_seconds = time.perf_counter() - t0
+        # NaN or inf in any token, sampled or not: an error naming the requests (section 10)
+        check_finite(self, batch, to_sample, logits, finite)
         # 4. sampling, each sample from its own random stream (an n>1 request's first token: n
         #    draws, it forks on them in postprocess); a beam keeps its log-probs for step 6. The
         #    greedy picks, every row's argmax, come from one call
@@ -1485,46 +1483,56 @@ def validate_request(llm, token_ids, params):
 # 6. Invariant checks: the block manager's rules, asserted (the tests call them after every step)
 
 def check_block_manager(bm):
-    """BlockManager.check_invariants: each rule, asserted by name, with the blocks that break it."""
+    """BlockManager.check_invariants: each rule, asserted by name, saying at which step which
+    block breaks it, what it is and what the rule wants."""
+    step = f"step {bm.events.step}"
     # prefix_id -> (hash, tokens, parent's prefix_id), as registered in any tier
     prefixes = {}
     for pool in bm.tiers:
+        # "block 3" on the device, "host block 3" below, as the trace names them
+        name = "" if pool is bm.device else f"{pool.name} "
         held = Counter(b for seq in pool.seqs.values() for b in seq.block_table)
-        wrong = [b.block_id for b in pool.blocks
-                 if b.ref_count != held[b.block_id]]
-        assert not wrong, (f"ref_count: {pool.name} blocks {wrong}: not the number of tables "
-                           "holding")
+        for b in pool.blocks:
+            assert b.ref_count == held[b.block_id], (f"{step}: {name}block {b.block_id} has "
+                                                     f"ref_count {b.ref_count}, held by "
+                                                     f"{held[b.block_id]} tables")
         # each block in one list, the one its fields say: used if held; else cached if
         # registered (it has a hash), empty if not
         listed = Counter([*pool.empty_block_ids, *pool.cached_block_ids, *held])
-        wrong = []
         for b in pool.blocks:
             registered = b.hash is not None
             in_cache = b.block_id in pool.cached_block_ids
-            if listed[b.block_id] != 1 or b.ref_count == 0 and registered != in_cache:
-                wrong.append(b.block_id)
-        assert not wrong, f"partition: {pool.name} blocks {wrong}: not only in its own list"
+            want = "held" if b.ref_count else "cached" if registered else "empty"
+            assert listed[b.block_id] == 1 and (b.ref_count or registered == in_cache), (
+                f"{step}: partition: {name}block {b.block_id} is in {listed[b.block_id]} "
+                f"lists (cached: {in_cache}), want the {want} list alone (ref_count "
+                f"{b.ref_count}, hash {b.hash})")
+        # the map lists the registered blocks under their hashes, and no others
+        for h, bucket in pool.hash_to_block_ids.items():
+            assert bucket, f"{step}: hash map: {pool.name} hash {h} lists no block"
+            for block_id in bucket:
+                found = pool.blocks[block_id].hash
+                assert found == h, (f"{step}: hash map: {name}block {block_id} is listed under "
+                                    f"hash {h}, its hash is {found}")
         registered = [b for b in pool.blocks if b.hash is not None]
-        # the map lists the registered blocks and no others (an empty bucket: as if it listed
-        # None)
-        listed = {(h, b) for h, bucket in pool.hash_to_block_ids.items()
-                  for b in bucket or [None]}
-        wrong = listed ^ {(b.hash, b.block_id) for b in registered}
-        assert not wrong, (f"hash map: {pool.name} (hash, block) {wrong}: listed or registered "
-                           "only")
         for b in registered:
+            assert b.block_id in pool.hash_to_block_ids.get(b.hash, ()), (
+                f"{step}: hash map: {name}block {b.block_id} has hash {b.hash}, not listed")
             # copies of one prefix, in any tier, are one prefix
             entry = (b.hash, b.token_ids, b.parent_prefix_id)
             prefix = prefixes.setdefault(b.prefix_id, entry)
-            assert prefix == entry, (f"hash map: prefix {b.prefix_id}: two prefixes "
-                                     f"({pool.name} {b})")
+            assert prefix == entry, (f"{step}: hash map: prefix {b.prefix_id} is (hash, tokens, "
+                                     f"parent) {prefix}, but {entry} in {name}block "
+                                     f"{b.block_id}")
         for seq in pool.seqs.values():
             # the newest token may lack its slot yet
             n = len(seq.block_table)
-            sizes = {bm._num_blocks_for(len(seq) - d) for d in (0, 1)}
-            assert n in sizes, f"block table: seq {seq.seq_id}: {n} blocks, {len(seq)} tokens"
+            sizes = sorted({bm._num_blocks_for(len(seq) - d) for d in (0, 1)})
+            assert n in sizes, (f"{step}: block table: seq {seq.seq_id} has {n} blocks for "
+                                f"{len(seq)} tokens, want {' or '.join(map(str, sizes))}")
     seq_ids = [s for pool in bm.tiers for s in pool.seqs]
-    assert len(seq_ids) == len(set(seq_ids)), "partition: a seq's table points into two tiers"
+    twice = [s for s, n in Counter(seq_ids).items() if n > 1]
+    assert not twice, f"{step}: partition: seqs {twice} have tables in two tiers"
     # a registered block holds the prefix of all its holders; it follows registered blocks only
     for seq in bm.device.seqs.values():
         # the prefix block i follows (None: the first, or it follows an unregistered block)
@@ -1535,8 +1543,9 @@ def check_block_manager(bm):
             if block.hash is not None:
                 want = (bm._tokens(seq, i), bm._block_hash(seq, i), parent)
                 found = (block.token_ids, block.hash, block.parent_prefix_id)
-                assert found == want, (f"hash map: seq {seq.seq_id} block {i} ({block_id}) is "
-                                       "another prefix's, or follows an unregistered block")
+                assert found == want, (f"{step}: hash map: seq {seq.seq_id} block {i} (block "
+                                       f"{block_id}) holds (tokens, hash, parent) {found}, want "
+                                       f"{want}")
             # None once unregistered: a later block's parent differs
             parent = block.prefix_id
 
@@ -1915,7 +1924,8 @@ class CostModel:
 
     def observe(self, report):   # a moving average, set by the first step
         weight = 0.1 if self.seconds_per_token else 1.0
-        per_token = report.seconds / report.batch.num_tokens
+        # the model's time alone: a step that waits for copies computes no slower
+        per_token = report.batch.model_seconds / report.batch.num_tokens
         self.seconds_per_token += weight * (per_token - self.seconds_per_token)
 
     def worth_loading(self, tier):
@@ -2143,14 +2153,14 @@ class CopyEngine:
 
     def give_up(self, copier):
         """(Undo, abort) Stop at once: the copies not begun are cancelled, the one under way is let
-        go by its link. Returns the (tier, block) that the copies not made were to write: their
-        K/V are not trusted. However slow the links, a Ctrl-C is answered in moments."""
+        go by its link. Returns the copies not made (BlockCopy, in the order queued): the K/V
+        they were to write are not trusted. However slow the links, a Ctrl-C is answered in
+        moments."""
         # made: done before the stop; one under way may stop half made. After a failure none no
         # step has seen made is trusted: those before the failed one were made, but the undo
         # drops their blocks too (a failure is rare)
-        # (tier, block) that each copy not made was to write
-        lost = {(copy.dst_tier, copy.dst) for future, copy in self.started.items()
-                if not future.done() or self.failed is not None}
+        lost = [copy for future, copy in self.started.items()
+                if not future.done() or self.failed is not None]
         copier.stop.set()
         for future in self.started:
             # False for the one under way: it ends at its link's next wait
@@ -2265,8 +2275,10 @@ def open_disk_pool(path, shape, dtype):
 # it may have half-written: every request the pools held is recomputed. The prefix cache stays,
 # in its LRU order: a block is registered once its K/V are written (or their copy is queued),
 # unregistered before it is written again, so a recompute finds its full blocks there; a block
-# whose queued copy was never made is dropped. The copies on their way are given up, not
-# waited for (CopyEngine.give_up): however slow the links, Ctrl-C is answered at once.
+# whose queued copy was never made is dropped, and the source of a copy never made stays in the
+# cache (put_back_sources). A step that computed a NaN raises before it registers anything
+# (check_finite). The copies on their way are given up, not waited for (CopyEngine.give_up):
+# however slow the links, Ctrl-C is answered at once.
 # recovery() runs the undo (and generate()'s drop of its requests, which gives up the copies
 # too if they were stopped between steps); a second Ctrl-C waits for it.
 
@@ -2321,10 +2333,12 @@ class Undo:
     def restore(self):
         """Called by recovery(), which holds Ctrl-C until it is done."""
         llm = self.llm
-        # the blocks never copied to, and those the copies given up were to write
-        unmade = {(tier, block_id) for _, _, tier, block_id in llm.block_manager.copies}
+        # the copies never made, in the order queued: those the copy engine gives up, then those
+        # not queued yet
+        unmade = []
         if llm.copy_engine:
-            unmade |= llm.copy_engine.give_up(llm.copier)
+            unmade = llm.copy_engine.give_up(llm.copier)
+        unmade += llm.block_manager.copies
         for obj, state in self.states:
             # bm.copies too: empty, as every step starts
             for name, value in state.items():
@@ -2339,8 +2353,9 @@ class Undo:
 
 def start_over(llm, unmade):
     """Every request the pools hold lets go of its blocks, to be recomputed; the pools keep the
-    prefix cache, but for the blocks in unmade ((tier, block id): K/V not in place), emptied."""
+    prefix cache, but for the blocks that the copies in unmade (never made) were to write."""
     sched, bm = llm.scheduler, llm.block_manager
+    lost = put_back_sources(bm, unmade)
     holders = sorted(sched.running + sched.swapped,
                      key=lambda r: r.request_id, reverse=True)
     sched.running = []
@@ -2356,12 +2371,44 @@ def start_over(llm, unmade):
             seq.block_table = []
         sched._recompute(request)
     for pool in bm.tiers:   # nobody holds a block; the registered stay cached
-        rebuild_pool(bm, pool, unmade)
+        rebuild_pool(bm, pool, lost)
 
 
-def rebuild_pool(bm, pool, unmade):
-    """Every block of pool empty, or cached if whole and registered as the step left it, in LRU
-    order: by cached_at (start_over has stamped the blocks the step's holders held)."""
+def put_back_sources(bm, unmade):
+    """The blocks whose K/V are not in place: those the copies in unmade (BlockCopy records, in
+    the order queued) were to write. A copy never made leaves its source as it was, unless a copy
+    before it was to write that block: the source takes back the place in the prefix cache that
+    its copy was given, so that a load or a write-down stopped halfway loses no prefix (unless a
+    later copy was to write the copy too, or it was evicted since: its entry is not this one)."""
+    writes = [(c.dst_tier, c.dst) for c in unmade]
+    # each block's last writer among them, and its first
+    last = {block: i for i, block in enumerate(writes)}
+    first = {block: i for i, block in reversed(list(enumerate(writes)))}
+    kept = set()
+    # from the last copy back: a source put back is no earlier copy's block to write, so no entry
+    # read after it has changed
+    for i in reversed(range(len(unmade))):
+        src_tier, src, dst_tier, dst = unmade[i]
+        intact = first.get((src_tier, src), i) >= i
+        if intact and last[dst_tier, dst] == i and is_registered(dst_tier, dst):
+            # registered since (as it was, or another's by a copy never made): again, as the copy
+            if is_registered(src_tier, src):
+                bm._unregister(src_tier, src_tier.blocks[src])
+            bm._register(src_tier, src_tier.blocks[src], like=dst_tier.blocks[dst])
+            kept.add((src_tier, src))
+    return set(writes) - kept
+
+
+def is_registered(pool, block_id):
+    """Wholly: a step stopped halfway may leave a block's fields set, not its place in the map
+    (which _register fills last)."""
+    block = pool.blocks[block_id]
+    return block.block_id in pool.hash_to_block_ids.get(block.hash, ())
+
+
+def rebuild_pool(bm, pool, lost):
+    """Every block of pool empty, or cached if whole (not in lost) and registered as the step left
+    it, in LRU order: by cached_at (start_over has stamped the blocks the step's holders held)."""
     # as the step left it: a block goes in last
     registered = pool.hash_to_block_ids
     # its lists empty, as new
@@ -2370,7 +2417,7 @@ def rebuild_pool(bm, pool, unmade):
     pool.hash_to_block_ids = {}
     pool.seqs = {}
     for block in sorted(pool.blocks, key=lambda b: b.cached_at):
-        whole = (pool, block.block_id) not in unmade   # its K/V are in place
+        whole = (pool, block.block_id) not in lost   # its K/V are in place
         if whole and block.block_id in registered.get(block.hash, ()):
             block.ref_count = 0
             bm._register(pool, block)
@@ -2443,15 +2490,25 @@ def recovery(undo):
             raise
 
 
-def check_logits(llm, logits, to_sample):
-    """Logits that are NaN or inf (the model broken) raise before any token is sampled from them,
-    naming the step and the requests; the step is undone, as after any error."""
+def check_finite(llm, batch, to_sample, logits, finite):
+    """NaN or inf (the model broken) in the logits, or in any token's hidden state (finite: (T,)
+    bool), raise before any token is sampled or any block registered, naming the step and the
+    requests; the step is undone, as after any error. Every chunk is checked, one that samples
+    nothing too: K/V written from a NaN are never found by a later prompt. (An INT8 cache would
+    turn them into zeros, and the last chunk's logits could come out finite.)"""
     broken = (~logits.isfinite()).any(-1).tolist()   # (rows,)
     ids = {request.request_id
            for (request, _), bad in zip(to_sample, broken) if bad}
+    if not finite.all():
+        # each sequence's tokens in the step, in order
+        sizes = [e.num_new_tokens for e in batch.entries]
+        for entry, rows in zip(batch.entries, finite.split(sizes)):
+            if not rows.all():
+                ids.add(entry.request.request_id)
     if ids:
         raise FloatingPointError(f"step {llm.events.step}: requests {_ids(sorted(ids))}: "
-                                 "logits are NaN/inf: the model's weights or inputs are broken")
+                                 "NaN/inf in their logits or hidden states: the model's weights "
+                                 "or inputs are broken")
 
 
 def abort(llm, request_ids):

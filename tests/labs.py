@@ -2,10 +2,12 @@
 labs.py: labs a class can hand out, one per mechanism of the block manager and the scheduler.
 
 A lab's handout is a copy of the project with that mechanism's code replaced by a stub that says
-what to write; its tests stay. Grading runs the tests that pin the mechanism (random:tiny or no
-model, under a minute) and says which invariant broke, in which block, at which step.
+what must hold and which test checks each rule; its tests stay. Grading runs the tests that pin
+the mechanism (random:tiny or no model, under a minute) and says which invariant broke, in which
+block, at which step. A test that runs past a limit (60 s) fails, named: a loop that never ends
+costs a minute, not the grade.
 
-    python tests/labs.py                          the labs, one line each
+    python tests/labs.py                          the labs, one line each, in the order to take them
     python tests/labs.py handout LAB DIR          DIR: a copy of the project with LAB's stub in
     python tests/labs.py grade LAB [DIR]          LAB's tests in DIR (default: this project)
 
@@ -36,37 +38,54 @@ ENGINE_FILES = ["nanopaged.py", "kernel.py", "model.py"]
 MARKER = "# lab "
 
 # ----------------------------------------------------------------------------------------------
-# The labs. Each stub is keyed by its region's label, what the marker says is below it (so that
-# no key is solution code: this file goes out with every handout), and is one statement (comment
-# lines may lead into it). A stub that can work does, naively, so that a handout fails its own
-# lab only: the other labs' tests allocate, free and fork as well.
+# The labs, in the order to take them: each leans on what the ones before it taught. Each stub is
+# keyed by its region's label, what the marker says is below it (so that no key is solution code:
+# this file goes out with every handout), and is one statement (comment lines may lead into it).
+# A stub says what must hold and which test checks each rule, not the lines to write. A stub that
+# can work does, naively, so that a handout fails its own lab only: the other labs' tests
+# allocate, free and fork as well.
 
 PREFIX_CACHE_LOOKUP = '''
 def _cache_hits(self, seq):
     """[(tier, block)] holding seq's prefix, found by one walk along its hash chain, each
     where it is (below the device: if loading it beats recomputing, section 8).
 
-    Lab prefix-cache: write the walk. For each full block i of seq but the one holding its
-    last token (whose logits are needed, so it is computed): look its chain hash up
-    (self._block_hash(seq, i)) with self._lookup, in the tiers worth loading from
-    (worth_loading); _lookup checks the block's tokens and its parent's prefix_id (that of the
-    hit before, None for block 0), so a hash collision hands out no wrong block. Below the
-    device only a block nobody holds counts (a swapped request's blocks are its own). Of
-    several, take one somebody holds (it costs no free block). Stop at the first miss: no
-    later block can be this prefix's. This stub finds nothing: every prompt is computed."""
+    Lab prefix-cache. What must hold, and the test of tests/test_lab_prefix_cache.py that
+    checks it:
+      - a hit is a prefix of whole blocks: block i is found only if blocks 0 to i - 1 were
+        (test_the_chain_stops_at_the_first_miss, and ..._though_its_parent_prefix_matches);
+      - the block of the last token is never found: its logits are needed
+        (test_the_block_of_the_last_token_never_hits);
+      - a block found holds these very tokens after this very prefix, however the hashes
+        collide (test_colliding_hashes_hand_out_no_wrong_block,
+        test_hits_match_a_brute_force_search_over_computed_prefixes);
+      - of several blocks holding it, one somebody holds goes first: it takes no free block
+        (test_a_held_block_is_shared_before_a_cached_copy);
+      - the tiers below are searched too, those worth loading from alone
+        (test_a_prefix_written_down_to_the_host_is_found_there_and_loaded,
+        test_a_tier_not_worth_loading_from_is_not_searched);
+      - below the device, a block a swapped-out request holds is not found
+        (test_a_host_block_a_swapped_out_request_holds_is_not_handed_out).
+    At hand: _block_hash, _tokens, _lookup, worth_loading, Block.prefix_id. This stub finds
+    nothing: every prompt is computed."""
     return []
 '''
 
 EVICT_OLDEST = '''
 def _evict(self, pool, seq):
-    """Take pool's cached block freed longest ago out of the prefix cache, emptied: its K/V
-    are written down to a tier below (_write_down), or lost. Which tier: section 8.
+    """Take one of pool's cached blocks out of the prefix cache, emptied (a block for seq).
 
-    Lab eviction: the victim is the block that has been cached the longest; a block freed
-    lately is the likeliest to be asked for again. pool.cached_block_ids holds the cached
-    blocks, keeping the order in which _cache added them. This stub takes the block cached
-    last, the one most worth keeping: it works, but the prefix cache hits less."""
-    block_id, _ = pool.cached_block_ids.popitem(last=True)
+    Lab eviction. What must hold, and the test of tests/test_lab_eviction.py that checks it:
+      - the victim is the cached block freed longest ago (LRU); pool.cached_block_ids keeps
+        the order _cache added them in (test_empty_blocks_go_before_cached_ones_then_the_
+        oldest_cached, test_evictions_follow_a_plain_lru_list);
+      - its K/V go down to a tier below, or are lost and remembered, as section 8's
+        write_down_or_lose decides (test_an_evicted_block_goes_down_to_the_host_or_is_
+        remembered_lost);
+      - it leaves the prefix cache, empty (check_invariants, in every test).
+    This stub evicts the cached block of the lowest id: it works, but hits less."""
+    block_id = min(pool.cached_block_ids)
+    del pool.cached_block_ids[block_id]
     write_down_or_lose(self, pool, pool.blocks[block_id], seq)   # (section 8)
     self._unregister(pool, pool.blocks[block_id])
     pool.empty_block_ids.append(block_id)
@@ -75,34 +94,42 @@ def _evict(self, pool, seq):
 FREE_TAIL_FIRST = '''
 def free(self, seq, coming_back=False):
     """Drop seq's hold on its blocks, in whichever pool its table points into.
-    coming_back (preempted, to be recomputed): each counts as found once more.
+    coming_back: seq was preempted, to be recomputed.
 
-    Lab eviction: release the blocks in the order that gets the tail evicted before the
-    prefix, which other requests are likelier to share (_release caches a registered block
-    nobody holds; _evict takes the one cached longest ago). This stub releases them head
-    first: it works, but a prefix is lost before its own tail."""
+    Lab eviction. What must hold, and the test of tests/test_lab_eviction.py that checks it:
+      - the blocks go back in the order that gets seq's tail evicted before its prefix, which
+        other requests are likelier to share (test_free_releases_the_tail_first,
+        test_evictions_follow_a_plain_lru_list);
+      - a registered block nobody holds stays cached, its K/V reusable; _release does it
+        (check_invariants, in every test);
+      - coming_back: each block seq is the last to hold counts as found once more
+        (Block.hits, by which the write-down rule keeps blocks: test_a_request_coming_back_
+        counts_each_block_it_alone_held_as_found_again);
+      - seq holds no block after, in no pool's seqs (check_invariants).
+    This stub releases head first and counts nothing: it works, but a prefix goes before its
+    own tail."""
     pool = self.host if seq.seq_id in self.host.seqs else self.device
     for block_id in seq.block_table:
-        block = pool.blocks[block_id]
-        if coming_back and block.ref_count == 1:
-            # by its last holder: once
-            block.hits += 1
-        self._release(pool, block)
+        self._release(pool, pool.blocks[block_id])
     pool.seqs.pop(seq.seq_id, None)
     seq.block_table = []
 '''
 
 FORK_SHARES = '''
 def fork(self, parent, child, num_blocks=None):
-    """child shares parent's first num_blocks blocks (all by default): no K/V copied, their
-    ref_counts go up, fresh blocks hold the rest (a recomputed sample's, section 8).
+    """child shares parent's first num_blocks blocks (all by default); fresh blocks hold the
+    rest (a recomputed sample's, section 8).
 
-    Lab copy-on-write: share, do not copy. Hold each shared block once more (self._hold),
-    then give child its table (self._set_table(child, shared): the shared blocks, then fresh
-    ones; their tokens count as computed), and record the "fork" event. This stub shares
-    nothing: child gets fresh blocks, and a copy of each computed block is queued (a
-    BlockCopy in self.copies, made before the model runs): correct, but every fork costs
-    blocks and copies."""
+    Lab copy-on-write. What must hold, and the test of tests/test_lab_copy_on_write.py that
+    checks it:
+      - the shared blocks are held once more, no K/V copied, no free block taken; their
+        tokens count as computed in child; the trace tells it (a "fork" event)
+        (test_fork_shares_every_block_and_copies_nothing);
+      - past num_blocks, child's blocks are fresh and not computed
+        (test_fork_with_num_blocks_shares_only_the_first).
+    At hand: _hold, _set_table. This stub shares nothing: child gets fresh blocks and a copy
+    of each computed one (BlockCopy records in self.copies, made before the model runs):
+    correct, but every fork costs blocks and copies."""
     shared = parent.block_table[:num_blocks]
     # only K/V already computed can be copied now
     computed = min(len(shared) * self.block_size, parent.num_computed_tokens)
@@ -118,36 +145,50 @@ COPY_ON_WRITE = '''
 if self._needs_new_block(seq):
     seq.block_table.append(self._allocate_block(seq))
 elif self._needs_copy(seq):
-    # Lab copy-on-write: the last block is shared (ref_count > 1) and partly filled: this
-    # writer gets its own copy. Allocate a block, queue the copy (a BlockCopy in
-    # self.copies), release the shared one (self._release), put the copy in the table,
-    # count num_cow_copies, record a "copy" event, and return (src, dst). Reached only
-    # once fork shares blocks.
+    # Lab copy-on-write: seq's last block is shared (ref_count > 1), partly filled, and
+    # seq is about to write into it. What must hold, and the test of
+    # tests/test_lab_copy_on_write.py that checks it:
+    #   - seq writes a block of its own holding a copy of the shared block's K/V, made
+    #     before the model runs; the others keep the original, one holder fewer; the
+    #     call returns (src, dst); the trace tells it (a "copy" event); num_cow_copies
+    #     counts it (test_the_first_writer_of_a_shared_block_copies_it_the_last_writes_
+    #     in_place);
+    #   - the copy holds the original's K/V (test_n_samples_share_the_prompt_and_copy_
+    #     its_last_block_with_its_kv).
+    # Reached only once fork shares blocks.
     raise NotImplementedError("lab copy-on-write: write the copy-on-write branch of "
                               "BlockManager.append_slot (nanopaged.py)")
 '''
 
 SWAP_MOVE = '''
 def _move(self, seqs, src, dst, kind, counter):
-    """Repoint seqs' tables from src to dst, a dst block per distinct block (tail first), and
-    count the blocks moved under the metric named counter.
+    """Repoint seqs' tables from src to dst, a dst block per distinct block, and count the
+    blocks moved under the metric named counter. Returns [(src block, dst block)].
 
-    Lab preemption: for each distinct block of seqs' tables (shared ones once, so that they
-    stay shared), take a block of dst (self._get_new_block), queue the copy (a BlockCopy in
-    self.copies) and, if the block is registered, register its copy in dst too (self._register
-    with like=). Record the event `kind`. Then take every new block before letting any old
-    one go: hold the new (self._hold), release the old (self._release), repoint the table;
-    move each seq from src.seqs to dst.seqs. Count len(mapping) under counter; return
-    [(src block, dst block)]. Reached only once preempt swaps."""
+    Lab preemption. What must hold, and the test of tests/test_lab_preemption.py that
+    checks it:
+      - each distinct block is copied once, so that the blocks seqs share stay shared, with
+        their ref_counts (test_a_swap_moves_a_shared_block_once_and_it_stays_shared);
+      - the copies carry the K/V, out and back (BlockCopy records in self.copies, made
+        before the model runs); counter counts them
+        (test_a_swap_carries_the_kv_to_the_host_and_back);
+      - a registered block's copy is registered in dst too, and the original, held by
+        nobody now, stays cached; the trace tells the move (an event of kind)
+        (test_a_swap_registers_the_copies_of_registered_blocks);
+      - seqs live in dst's pool after (dst.seqs; check_invariants, in every test).
+    At hand: _get_new_block, _register, _hold, _release. Reached only once preempt swaps."""
     raise NotImplementedError("lab preemption: write BlockManager._move (nanopaged.py), "
                               "which swap_out and swap_in call")
 '''
 
 PREEMPT_VICTIM = '''
-# Lab preemption: the victim is the last running request in rank
-# (self.running[-1]), until seq can append or its own request, the last,
-# gave its blocks back. This stub preempts seq's own request: it works,
-# but the first come is served last.
+# Lab preemption: seq (of request) is short of a block. What must
+# hold, and the test of tests/test_lab_preemption.py that checks
+# it: the victim is the running request ranked last, again and
+# again until seq can append or its own request gave its blocks
+# back (test_the_victim_is_the_last_running_request_in_rank).
+# This stub preempts seq's own request: it works, but the first
+# come is served last.
 while request.status is RequestStatus.RUNNING and not bm.can_append(seq):
     self.preempt(request, batch)
 '''
@@ -156,12 +197,21 @@ PREEMPT_MODE = '''
 def preempt(self, request, batch, mode=None):
     """Take a running request's blocks back, all at once: swapped to the host pool, to resume
     where it was, or freed (the prefix cache may keep much), to be recomputed, in front.
+    Returns the mode.
 
-    Lab preemption: unless mode is given, self._choose_mode(request) gives (mode, why); record
-    the "preempt" event with them; take request out of self.running and out of batch. "swap":
-    self.block_manager.swap_out(*request.seqs), status SWAPPED, into self.swapped in rank
-    order (self.enqueue); else self._recompute(request). Count num_preemptions; return the
-    mode. This stub always recomputes."""
+    Lab preemption. What must hold, and the test of tests/test_lab_preemption.py that
+    checks it:
+      - the mode is the one given, else _choose_mode's (test_with_no_room_on_the_host_a_swap_
+        recomputes);
+      - the trace tells it: a "preempt" event with the mode, and the reason _choose_mode
+        gives as ' (reason)'; num_preemptions counts it (test_the_preempt_event_says_the_
+        mode_and_why_as_the_trace_prints_it);
+      - swap: its blocks go to the host pool and it waits SWAPPED, in rank order, to resume
+        where it was (test_a_swap_carries_the_kv_to_the_host_and_back);
+      - recompute: it holds no block, has nothing computed, and waits in front of newer
+        requests (test_a_recomputed_request_frees_its_blocks_and_waits_in_front);
+      - either way it leaves the running line and the batch (check_invariants).
+    This stub always recomputes."""
     self.events.record("preempt", request.seqs,
                        sorted(distinct_blocks(request.seqs)),
                        mode="recompute",
@@ -174,20 +224,24 @@ def preempt(self, request, batch, mode=None):
 '''
 
 SLOT_MAPPING = '''
-# Lab block-table: each new token's slot, where the model writes its K/V: position
-# p of seq is in logical block p // block_size, which is physical block
-# seq.block_table[that], at offset p % block_size; its slot is physical block *
-# block_size + offset. Add one slot per position start .. end - 1 to
-# batch.slot_mapping.
+# Lab block-table: the slots where the model writes the K/V of seq's positions start to
+# end - 1, appended to batch.slot_mapping in order. What must hold, and the test of
+# tests/test_lab_block_table.py that checks it: position p lives in seq's logical block
+# p // block_size at offset p % block_size; its slot numbers that place in the pool, a
+# block's slots one after another (test_the_slot_mapping_of_a_known_block_table,
+# test_paged_greedy_tokens_equal_the_dense_models).
 raise NotImplementedError("lab block-table: write the slot mapping in "
                           "LLM._prepare (nanopaged.py)")
 '''
 
 GATHER = '''
-# Lab block-table: gather the group's contexts through their block tables. ids (the tables,
-# flattened) index the first dimension of k_cache and v_cache, whole blocks; view the result
-# as (seqs, blocks * block_size, kv_heads, dim), each context in order, and transpose to
-# k, v: (seqs, kv_heads, ctx, dim)
+# Lab block-table: k and v, (seqs, kv_heads, ctx, dim), each context of the group in
+# order, read from the pool through the block tables (ids: the group's tables,
+# flattened; the mask hides the slots past a context's end). What must hold, and the
+# test of tests/test_lab_block_table.py that checks it: position j of the i-th
+# sequence's context is slot j % block_size of its logical block j // block_size
+# (test_reference_attention_reads_every_context_through_its_block_table,
+# test_paged_greedy_tokens_equal_the_dense_models).
 raise NotImplementedError("lab block-table: write the gather in paged_attention_ref "
                           "(kernel.py)")
 '''
@@ -219,7 +273,7 @@ LABS = [
         {"a fork shares its parent's blocks": FORK_SHARES,
          "a writer of a shared block copies it first": COPY_ON_WRITE}),
     Lab("eviction", "free and LRU eviction",
-        "BlockManager.free's order and _evict's victim (nanopaged.py)",
+        "BlockManager.free and _evict (nanopaged.py)",
         {"the order free releases blocks in": FREE_TAIL_FIRST,
          "which cached block is evicted": EVICT_OLDEST}),
     Lab("preemption", "preemption: the victim, recompute and swap",
@@ -392,14 +446,16 @@ class Result:
                 f"write {self.lab.writes}")
 
 
-def run_labs(labs, root=ROOT, quiet=True):
+def run_labs(labs, root=ROOT, quiet=True, timeout=60):
     """Run labs' tests in root, all in one pytest process: {lab name: Result}. quiet=False
-    shows pytest's report (each failure's message) as it runs."""
+    shows pytest's report (each failure's message) as it runs; a test that runs past timeout
+    seconds fails (tests/conftest.py)."""
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "report.xml")
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                    "--tb=short", f"--junitxml={report}", *[lab.test_file for lab in labs]]
-        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1",
+               "NANOPAGED_LAB_TIMEOUT": str(timeout)}
         run = subprocess.run(command, cwd=root, env=env,
                              capture_output=quiet, text=True)
         cases = ET.parse(report).getroot().iter("testcase") if os.path.exists(report) else []
@@ -419,9 +475,9 @@ def run_labs(labs, root=ROOT, quiet=True):
         return results
 
 
-def grade(lab, root=ROOT):
+def grade(lab, root=ROOT, timeout=60):
     """Run lab's tests in root with pytest's report, then the verdict. Returns the Result."""
-    result = run_labs([lab], root, quiet=False)[lab.name]
+    result = run_labs([lab], root, quiet=False, timeout=timeout)[lab.name]
     print(result.verdict())
     return result
 
@@ -440,6 +496,8 @@ def main(argv=None):
     grader = commands.add_parser("grade", help="run LAB's tests in DIR; exit 0 if they pass")
     grader.add_argument("lab", choices=LAB_NAMES)
     grader.add_argument("dir", nargs="?", default=ROOT, help="a handout (default: the project)")
+    grader.add_argument("--timeout", type=float, default=60,
+                        help="seconds a test may run before it fails (default: 60)")
     args = parser.parse_args(argv)
     if args.command == "handout":
         lab = LAB_NAMES[args.lab]
@@ -456,7 +514,10 @@ def main(argv=None):
     if args.command == "grade":
         if not os.path.isdir(os.path.join(args.dir, "tests")):
             parser.error(f"{args.dir} has no tests/ folder: give a handout's folder")
-        return 0 if grade(LAB_NAMES[args.lab], os.path.abspath(args.dir)).passed else 1
+        if not 0 < args.timeout <= 3600:
+            parser.error(f"--timeout must be a number of seconds in (0, 3600], got {args.timeout}")
+        return 0 if grade(LAB_NAMES[args.lab], os.path.abspath(args.dir),
+                          args.timeout).passed else 1
     for lab in LABS:
         print(f"{lab.name:14} {lab.mechanism}: write {lab.writes}  ({lab.test_file})")
     return 0

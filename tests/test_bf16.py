@@ -64,7 +64,7 @@ def record_sampled_logits(llm, rows):
     A forward hook sees each step's logits (a row per sequence whose chunk ends its tokens), and the
     step's report (same order) names the sequences."""
     steps = []
-    handle = llm.model.register_forward_hook(lambda model, args, logits: steps.append((args[0], logits)))
+    handle = llm.model.register_forward_hook(lambda model, args, out: steps.append((args[0], out[0])))
 
     def keep(report):
         batch, logits = steps.pop()

@@ -271,3 +271,30 @@ def test_check_invariants_names_the_broken_rule(rule):
         block.token_ids = saved
     bm.check_invariants()
     free_all(bm, seq)
+
+
+def test_a_broken_invariant_says_the_step_the_block_what_it_is_and_what_is_wanted():
+    """Two samples share their prompt's first block; at step 2 that block's ref_count is raised by
+    one: the check says 'step 2: block B has ref_count 3, held by 2 tables'; a block listed free
+    while held says how many lists hold it and the one wanted."""
+    from nanopaged import LLM, SamplingParams
+    llm = LLM("random:tiny", block_size=4, num_blocks=16)
+    llm.add_requests([toks(1, 6)], SamplingParams(temperature=1.0, n=2, max_tokens=4))
+    llm.step()
+    llm.step()
+    first = llm.scheduler.running[0].seqs[0].block_table[0]
+    block = llm.block_manager.device.blocks[first]
+    block.ref_count += 1
+    with pytest.raises(AssertionError) as error:
+        llm.block_manager.check_invariants()
+    assert str(error.value) == f"step 2: block {first} has ref_count 3, held by 2 tables"
+    block.ref_count -= 1
+    llm.block_manager.device.empty_block_ids.append(first)
+    with pytest.raises(AssertionError) as error:
+        llm.block_manager.check_invariants()
+    assert str(error.value).startswith(f"step 2: partition: block {first} is in 2 lists "
+                                       "(cached: False), want the held list alone (ref_count 2")
+    llm.block_manager.device.empty_block_ids.pop()
+    while llm.scheduler.has_unfinished():
+        llm.step()
+    llm.block_manager.check_invariants()

@@ -321,3 +321,18 @@ def test_the_demos_speak_to_the_model_as_a_chat(monkeypatch):
     monkeypatch.setattr(llm.tokenizer, "chat_template", None)
     plain = nanopaged.demo_arrivals("prefix", llm)[0][1][0]
     assert llm.tokenizer.decode(plain) == f"{nanopaged.SYSTEM} What is a cache?"
+
+
+def test_the_workbook_prints_its_usage():
+    """`python tests/workbook.py --help` prints a usage naming the exercises, exit status 0 (no
+    traceback); an exercise that is not one is a usage and one line, exit status 2."""
+    import os
+    import subprocess
+    import sys
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workbook.py")
+    shown = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True)
+    assert shown.returncode == 0 and shown.stdout.startswith("usage: workbook.py")
+    assert "1 to 14" in shown.stdout and "Traceback" not in shown.stderr
+    wrong = subprocess.run([sys.executable, script, "99"], capture_output=True, text=True)
+    assert wrong.returncode == 2 and not wrong.stdout
+    assert wrong.stderr.splitlines()[-1].startswith("workbook.py: error: argument N: invalid")

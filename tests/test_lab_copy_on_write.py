@@ -48,6 +48,9 @@ def test_fork_shares_every_block_and_copies_nothing():
     assert not bm.copies, f"fork queued copies {list(bm.copies)}: sharing copies no K/V"
     assert bm.num_free_blocks == free_before, "fork took free blocks: sharing takes none"
     assert child.num_computed_tokens == 6, "the shared tokens count as computed in the child"
+    said = bm.events.records[-1].words()
+    want = f"seq {child.seq_id} forks from seq {parent.seq_id}: blocks 0, 1 shared"
+    assert said == want, f"the trace's last event says {said!r}, want {want!r}"
     for seq in (parent, child):
         bm.free(seq)
     bm.check_invariants()
@@ -89,6 +92,10 @@ def test_the_first_writer_of_a_shared_block_copies_it_the_last_writes_in_place()
     assert list(bm.copies) == [BlockCopy(bm.device, shared, bm.device, dst)], (
         f"copies queued: {list(bm.copies)}; want one, block {shared} into block {dst}")
     assert child.block_table[-1] == shared, "the child keeps the original block"
+    said = bm.events.records[-1].words()
+    want = (f"seq {parent.seq_id} copies shared block {shared} to block {dst} before writing "
+            "(copy-on-write)")
+    assert said == want, f"the trace's last event says {said!r}, want {want!r}"
     assert_ref_counts(bm, [parent, child])
     bm.copies.clear()
     child.append_token(8)

@@ -94,3 +94,53 @@ def test_evictions_follow_a_plain_lru_list():
     bm.check_invariants()
     assert bm.num_free_blocks == bm.num_blocks
     assert bm.counts["num_evictions"] > 0, "the workload must evict: the pool is too big"
+
+
+def test_an_evicted_block_goes_down_to_the_host_or_is_remembered_lost():
+    """A 2-block device pool over a 1-block host pool, both blocks of a prompt cached: a new
+    prompt evicts them both, tail first; the tail is written down to the host (a copy queued, the
+    host block registered with its tokens); the host then full, the head is lost, and remembered
+    as evicted (bm.evicted: why a later prompt misses it). Both are section 8's write_down_or_lose,
+    which _evict calls for its victim."""
+    bm = BlockManager(2, 4, num_cpu_blocks=1)
+    head, tail = (1, 2, 3, 4), (5, 6, 7, 8)
+    a = computed(bm, [*head, *tail])
+    hashes = list(a.block_hashes)
+    bm.free(a)
+    computed(bm, list(range(20, 28)))
+    on_host = [b.token_ids for b in bm.host.blocks if b.hash is not None]
+    assert on_host == [tail], (f"the host holds {on_host}, want the tail {tail}: an evicted block "
+                               "is written down to the tier below that has room "
+                               "(write_down_or_lose)")
+    assert [(c.src_tier.name, c.dst_tier.name) for c in bm.copies] == [("device", "host")], (
+        f"copies queued: {list(bm.copies)}: the write-down copies the tail's K/V to the host")
+    assert (hashes[0], head) in bm.evicted, (
+        f"the head {head}, lost (the host is full), is not in bm.evicted: an eviction that loses "
+        "a block remembers it (write_down_or_lose), so that a prompt can say why it missed")
+    assert bm.counts["num_evictions"] == 1 and bm.counts["num_offloaded_blocks"] == 1
+
+
+def test_a_request_coming_back_counts_each_block_it_alone_held_as_found_again():
+    """free(seq, coming_back=True), a preempted request to be recomputed: each block whose last
+    holder it is counts one hit more (Block.hits, by which the write-down rule keeps blocks); a
+    block another sequence still holds does not (its last holder counts it)."""
+    bm = BlockManager(8, 4)
+    a = computed(bm, list(range(1, 13)))   # 3 full blocks, registered
+    b = Sequence(next(SEQ_IDS), list(range(1, 9)) + [50])
+    # b holds a's first 2 blocks, as a prefix hit leaves them (set up by hand: this lab's tests
+    # lean on no other lab's code)
+    for block_id in a.block_table[:2]:
+        bm._hold(bm.device, bm.device.blocks[block_id])
+    bm._set_table(b, a.block_table[:2])
+    bm.check_invariants()
+    table = list(a.block_table)
+    hits = [bm.device.blocks[i].hits for i in table]
+    bm.free(a, coming_back=True)
+    bm.check_invariants()
+    after = [bm.device.blocks[i].hits for i in table]
+    want = [hits[0], hits[1], hits[2] + 1]
+    assert after == want, (f"after free(seq {a.seq_id}, coming_back=True) its blocks' hits are "
+                           f"{after}, want {want}: the block it alone held counts one more, the "
+                           f"2 seq {b.seq_id} still holds do not")
+    bm.free(b)
+    bm.check_invariants()

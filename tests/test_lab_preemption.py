@@ -16,7 +16,7 @@ swapped once, and stay shared on the host and back on the device.
 """
 import torch
 
-from conftest import SEQ_IDS, assert_no_block_held, step_without_model
+from conftest import SEQ_IDS, assert_no_block_held, computed, step_without_model
 from labs import plural
 from nanopaged import LLM, BlockManager, RequestStatus, SamplingParams, Sequence
 
@@ -182,3 +182,55 @@ def test_a_swap_moves_a_shared_block_once_and_it_stays_shared():
         bm.free(seq)
     bm.check_invariants()
     assert bm.num_free_blocks == 8 and bm.host.num_free_blocks == 8, "every block free again"
+
+
+def test_the_preempt_event_says_the_mode_and_why_as_the_trace_prints_it():
+    """A 1-block host pool: step 2 swaps request 2 out (preemption_mode "swap": no reason to
+    give), then recomputes request 1, for which the host has no room: its event gives the reason in
+    brackets, as the trace prints it. Two preemptions counted."""
+    llm = engine("swap", num_cpu_blocks=1)
+    step_without_model(llm)
+    words = [e.words() for e in llm.events.records if e.kind == "preempt"]
+    want = ["seq 2 preempted by swap: blocks 2 taken back",
+            "seq 1 preempted by recompute: blocks 1 taken back (no room for its blocks in the "
+            "host pool)"]
+    assert words == want, (f"step 2: the preempt events read {words}, want {want}: the "
+                           "event gets the mode, and the reason _choose_mode gives (if any) "
+                           "as ' (reason)'")
+    assert llm.scheduler.num_preemptions == 2, (
+        f"num_preemptions is {llm.scheduler.num_preemptions}, want 2: preempt counts each")
+    finish(llm)
+
+
+def test_a_swap_registers_the_copies_of_registered_blocks():
+    """A sequence of 2 full, registered blocks and a partly filled one, swapped out: the host
+    copies of the full blocks are registered (their tokens, their prefix), the partial one's
+    not; swapped back in, its device blocks are registered again, and the host keeps its copies
+    cached: a later eviction of those blocks from the device needs no write-down."""
+    bm = BlockManager(8, 4, num_cpu_blocks=8)
+    a = computed(bm, list(range(1, 11)))
+    full = [bm.device.blocks[i].token_ids for i in a.block_table[:2]]
+    bm.swap_out(a)
+    bm.check_invariants()
+    registered = [bm.host.blocks[i].token_ids for i in a.block_table
+                  if bm.host.blocks[i].hash is not None]
+    assert registered == full, (
+        f"swapped out, seq {a.seq_id}'s host blocks {a.block_table} register {registered}, want "
+        f"{full}: the copy of a registered block is registered in the tier it goes to "
+        "(_register with like=), so the prefix cache finds it there too")
+    bm.swap_in(a)
+    bm.check_invariants()
+    # blocks 0-2 out, tail first, to host blocks 0-2; back in, tail first, to blocks 3-5
+    said = [e.words() for e in bm.events.records[-2:]]
+    want = [f"seq {a.seq_id} swapped out: blocks 2, 1, 0 to host blocks 0-2",
+            f"seq {a.seq_id} swapped in: host blocks 0-2 to blocks 3-5"]
+    assert said == want, f"the trace's swap events say {said}, want {want}"
+    registered = [bm.device.blocks[i].token_ids for i in a.block_table
+                  if bm.device.blocks[i].hash is not None]
+    assert registered == full, (f"swapped back in, seq {a.seq_id}'s device blocks register "
+                                f"{registered}, want {full}")
+    cached = sorted(bm.host.blocks[i].token_ids for i in bm.host.cached_block_ids)
+    assert cached == full, (f"after the swap-in the host caches {cached}, want {full}: the "
+                            "host copies of registered blocks stay in the prefix cache")
+    bm.free(a)
+    bm.check_invariants()

@@ -15,7 +15,7 @@ import random
 
 from conftest import SEQ_IDS, computed
 from labs import plural
-from nanopaged import BlockManager, Sequence
+from nanopaged import BlockManager, CostModel, Sequence
 
 
 def allocated(bm, tokens):
@@ -224,3 +224,26 @@ def test_a_host_block_a_swapped_out_request_holds_is_not_handed_out():
     bm.free(b)
     bm.free(swapped)
     bm.check_invariants()
+
+
+def test_a_tier_not_worth_loading_from_is_not_searched():
+    """x y on the host, where the cost rule says a block's copy up (1 s) costs more than
+    recomputing its 4 tokens (4 us): x y + [99] finds nothing there (the lookup searches only the
+    tiers worth loading from, worth_loading). Once recomputing a token costs 1 s, both are found."""
+    x, y = [1, 2, 3, 4], [5, 6, 7, 8]
+    bm = written_down_to_the_host(x + y + [99])
+    bm.cost = CostModel(block_size=4, seconds_per_block={"device": 0.0, "host": 1.0, "disk": 1.0},
+                        seconds_per_token=1e-6)
+    b = allocated(bm, x + y + [99])
+    got = b.num_cached_tokens // 4
+    assert got == 0, (f"seq {b.seq_id}: {plural(got, 'block')} found on the host, want 0: by "
+                      "the cost rule loading a block from the host (1 s) costs more than "
+                      "recomputing it (4 us); the lookup searches only the tiers worth loading "
+                      "from (worth_loading)")
+    free_all(bm, b)
+    bm.cost.seconds_per_token = 1.0
+    c = allocated(bm, x + y + [99])
+    got = c.num_cached_tokens // 4
+    assert got == 2, (f"seq {c.seq_id}: {plural(got, 'block')} found, want 2: recomputing a "
+                      "block (4 s) now costs more than loading it from the host (1 s)")
+    free_all(bm, c)

@@ -12,6 +12,7 @@ import ast
 import concurrent.futures
 import os
 import subprocess
+import time
 
 import pytest
 
@@ -29,24 +30,85 @@ def project_text(name):
     return labs.read(os.path.join(labs.ROOT, name))
 
 
+# Wrong solutions, each of which a review once saw pass its lab: what is wrong -> (the lab, the
+# project's lines in nanopaged.py and what replaces them, the tests that must fail)
+WRONG = {
+    "a lookup that ignores the cost rule": (
+        "prefix-cache",
+        [("tiers = [t for t in self.tiers if worth_loading(self, t)]", "tiers = self.tiers")],
+        ["test_a_tier_not_worth_loading_from_is_not_searched"]),
+    "a swap that registers no copy": (
+        "preemption",
+        [("""                if src.blocks[block_id].hash is not None:
+                    # its copy is found there too
+                    self._register(dst, dst.blocks[new], like=src.blocks[block_id])
+""", "")],
+        ["test_a_swap_registers_the_copies_of_registered_blocks"]),
+    "an eviction that never writes down nor remembers, a free that ignores coming_back": (
+        "eviction",
+        [("write_down_or_lose(self, pool, pool.blocks[block_id], seq)   # (section 8)",
+          'self.counts["num_evictions"] += 1'),
+         ("""            if coming_back and block.ref_count == 1:
+                # by its last holder: once
+                block.hits += 1
+""", "")],
+        ["test_an_evicted_block_goes_down_to_the_host_or_is_remembered_lost",
+         "test_a_request_coming_back_counts_each_block_it_alone_held_as_found_again"]),
+    "a preempt event whose reason is not in brackets": (
+        "preemption",
+        [('why=f" ({why})" if why else "")', "why=why)")],
+        ["test_the_preempt_event_says_the_mode_and_why_as_the_trace_prints_it"]),
+}
+# a victim chosen by a loop that never ends: each test that preempts runs past the limit
+LOOPS = ("preemption", [("self.preempt(self.running[-1], batch)", "pass")])
+LOOP_TIMEOUT = 2
+
+
+def write_wrong(folder, edits):
+    """The project in folder, nanopaged.py edited: each (lines, replacement) once."""
+    labs.make_handout(labs.LABS[0], folder)
+    labs.paste_back(labs.LABS[0], folder)
+    path = os.path.join(folder, "nanopaged.py")
+    text = labs.read(path)
+    for old, new in edits:
+        assert text.count(old) == 1, f"not once in nanopaged.py: {old!r}"
+        text = text.replace(old, new)
+    labs.write(path, text)
+
+
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
     """{"project": results, lab name: results on its handout, "pasted " + lab name: results on
-    that handout with the solution pasted back}, each {lab name: labs.Result}."""
-    folders = {"project": (labs.ROOT, labs.LABS)}
+    that handout with the solution pasted back, "wrong " + a WRONG key: results on the project
+    with that wrong solution in, "loops": and with LOOPS'}, each {lab name: labs.Result}; the
+    seconds each run took, in "seconds"."""
+    # key -> (folder, its labs to run, the limit a test has)
+    folders = {"project": (labs.ROOT, labs.LABS, 60)}
     for lab in labs.LABS:
         handout = str(tmp_path_factory.mktemp(lab.name))
         labs.make_handout(lab, handout)
-        folders[lab.name] = (handout, labs.LABS)
+        folders[lab.name] = (handout, labs.LABS, 60)
         pasted = str(tmp_path_factory.mktemp(f"pasted-{lab.name}"))
         labs.make_handout(lab, pasted)
         labs.paste_back(lab, pasted)
         # byte-identical to the project (test_pasting_back...): its own lab is what is left
-        folders[f"pasted {lab.name}"] = (pasted, [lab])
+        folders[f"pasted {lab.name}"] = (pasted, [lab], 60)
+    for what, (name, edits, _) in [*WRONG.items(), ("loops", (*LOOPS, None))]:
+        folder = str(tmp_path_factory.mktemp("wrong"))
+        write_wrong(folder, edits)
+        key = "loops" if what == "loops" else f"wrong {what}"
+        folders[key] = (folder, [labs.LAB_NAMES[name]], LOOP_TIMEOUT if key == "loops" else 60)
+
+    def timed(root, lab_list, timeout):
+        start = time.perf_counter()
+        results = labs.run_labs(lab_list, root, timeout=timeout)
+        return results, time.perf_counter() - start
+
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        runs = {key: pool.submit(labs.run_labs, run_labs, root)
-                for key, (root, run_labs) in folders.items()}
-        return {key: run.result() for key, run in runs.items()}
+        runs = {key: pool.submit(timed, *args) for key, args in folders.items()}
+        graded = {key: run.result()[0] for key, run in runs.items()}
+        graded["seconds"] = {key: run.result()[1] for key, run in runs.items()}
+        return graded
 
 
 def test_every_marker_names_a_lab_and_every_stub_a_region():
@@ -108,6 +170,29 @@ def test_pasting_back_the_solution_gives_the_project_and_passes(graded, tmp_path
         assert read_bytes(tmp_path, file) == read_bytes(labs.ROOT, file), file
     result = graded[f"pasted {name}"][name]
     assert result.passed, f"{result.verdict()}: {result.failed}"
+
+
+@pytest.mark.parametrize("what", WRONG)
+def test_a_wrong_solution_fails_its_lab_in_the_test_of_the_rule_it_breaks(graded, what):
+    """Each wrong solution a review once saw pass (a rule its stub states, dropped) fails its
+    lab, in the test that checks that rule."""
+    name, _, tests = WRONG[what]
+    result = graded[f"wrong {what}"][name]
+    failed = [f.split(":")[0] for f in result.failed]
+    assert not result.passed and set(tests) <= set(failed), f"{result.verdict()}: {result.failed}"
+
+
+def test_a_test_that_loops_forever_fails_named_once_past_its_limit(graded):
+    """A victim chosen by a loop that never ends: each preemption test that runs it fails,
+    named, once past its limit (2 s here, 60 s by default), and the grade ends in moments."""
+    result = graded["loops"]["preemption"]
+    timed_out = [f for f in result.failed if f"ran past {LOOP_TIMEOUT} s" in f]
+    assert len(timed_out) >= 4 and result.failed == timed_out, result.failed
+    for failure in timed_out:
+        test = failure.split(":")[0]
+        assert f"TimeoutError: {test} ran past {LOOP_TIMEOUT} s" in failure, failure
+    # a process's start, then each test that loops: its limit and a moment
+    assert graded["seconds"]["loops"] < 30 + (LOOP_TIMEOUT + 1) * result.num_tests
 
 
 def test_the_command_line_lists_every_lab():

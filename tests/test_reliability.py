@@ -324,10 +324,12 @@ def test_nan_logits_are_an_error_naming_the_step_and_requests_and_the_engine_ser
 
     def broken(*args):   # this step's logits all NaN; the next forward is the model's again
         llm.model.forward = forward
-        return forward(*args) * float("nan")
+        logits, finite = forward(*args)
+        return logits * float("nan"), finite
 
     llm.model.forward = broken
-    message = "step 2: requests 0, 1: logits are NaN/inf: the model's weights or inputs are broken"
+    message = ("step 2: requests 0, 1: NaN/inf in their logits or hidden states: the model's "
+               "weights or inputs are broken")
     with pytest.raises(FloatingPointError, match=message):
         llm.generate([ids(2, 9)], params)
     llm.block_manager.check_invariants()

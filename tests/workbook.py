@@ -6,6 +6,7 @@ loads once (each command run alone loads it again: some 20 s on 2 cores).
 
 Each trace comes under the command that prints it alone. The answers are tests:
 tests/test_exercises.py, one `test_exercise_N_...` an exercise, its explanation the docstring."""
+import argparse
 import contextlib
 import io
 import os
@@ -47,12 +48,19 @@ def trace(flags):
     return out.getvalue()
 
 
-def main(numbers):
-    for n in numbers or EXERCISES:
-        for flags in EXERCISES[int(n)]:
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        description="Every trace the README's exercises ask for, from one process (the model "
+                    "loads once); the answers are tests/test_exercises.py.")
+    parser.add_argument("exercises", nargs="*", type=int, choices=list(EXERCISES),
+                        metavar="N", help=f"exercises to print, 1 to {len(EXERCISES)} "
+                                          "(default: all)")
+    args = parser.parse_args(argv)
+    for n in args.exercises or EXERCISES:
+        for flags in EXERCISES[n]:
             print(f"{'=' * 100}\nexercise {n}: {command(flags)}\n{'=' * 100}")
             print(trace(flags), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()
