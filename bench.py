@@ -1,9 +1,10 @@
 """
 bench.py: the claims of paging, measured on this machine beside baselines, in six experiments
-(memory, throughput, prefix, kv_dtype, priority, multiturn): a table and a conclusion.
+(memory, throughput, prefix, kv_dtype, priority, multiturn): a table that reads at 80 columns,
+the long breakdowns below it, and a conclusion.
 
     python bench.py                    every experiment, the default model
-    python bench.py --quick            smaller workloads, a few minutes (what fresh-check runs)
+    python bench.py --quick            shorter outputs, a few minutes (what fresh-check runs)
     python bench.py --only prefix      one experiment; --json FILE writes every figure
 """
 import inspect
@@ -67,9 +68,9 @@ def pieces(text, seed, lengths):
     return result
 
 
-def mixed_workload(llm, num_requests, sample_every=0):
-    """Prompts of 16-256 tokens, greedy outputs of 8-128 (eos off: every engine makes as many);
-    sample_every: every so many, n=2 samples instead."""
+def mixed_workload(llm, num_requests, sample_every=0, longest=128):
+    """Prompts of 16-256 tokens, greedy outputs of 8 to longest (eos off: every engine makes as
+    many); sample_every: every so many, n=2 samples instead."""
     rng = random.Random(0)
     text = corpus(llm)
     requests = []
@@ -80,7 +81,7 @@ def mixed_workload(llm, num_requests, sample_every=0):
         requests.append((text[start:start + n],
                          SamplingParams(temperature=0.8 if sample else 0,
                                         n=2 if sample else 1,
-                                        max_tokens=rng.randint(8, 128),
+                                        max_tokens=rng.randint(8, longest),
                                         ignore_eos=True,
                                         seed=i)))
     # Returned as (prompts, params).
@@ -197,11 +198,13 @@ def memory(args):
 
 
 def throughput(args):
-    """The same greedy requests (eos off) through nanopaged and three transformers baselines."""
+    """The same greedy requests (eos off) through nanopaged and three transformers baselines;
+    --quick: outputs of 8-32 tokens (8-128), as one at a time takes a token's time each."""
+    longest = 16 if args.quick else 128
     # Room for every request at once: mixed_workload's prompts and outputs at their longest.
-    num_blocks = args.num_requests * (256 + 128) // 16
+    num_blocks = args.num_requests * (256 + longest) // 16
     llm = engine(args, num_blocks)
-    prompts, params = mixed_workload(llm, args.num_requests)
+    prompts, params = mixed_workload(llm, args.num_requests, longest=longest)
     ours, seconds, _ = run(llm, prompts, params)
     # The matmul floor: the workload's linear layers at the machine's best GEMM rate. They take
     # 2 FLOPs a weight for each token computed, and the vocabulary's for each token sampled.
@@ -219,20 +222,21 @@ def throughput(args):
     # transformers runs the weights nanopaged runs.
     hf = load_hf(args.model, llm.seed)[0].to(llm.device)
     rows = [("nanopaged", seconds, num_tokens / seconds, 1.0, 1.0, floor / seconds)]
-    for name, generate, arg in [("batch 1", hf_generate, 1),
-                                ("batch 8", hf_generate, 8),
+    for name, generate, arg in [("generate, batch 1", hf_generate, 1),
+                                ("generate, batch 8", hf_generate, 8),
                                 ("continuous batching", hf_continuous, num_blocks)]:
         with torch.inference_mode():
             theirs, hf_seconds = timed(lambda: list(generate(hf, prompts, params, arg)))
-        rows.append((f"transformers, {name}",
+        rows.append((name,
                      hf_seconds,
                      num_tokens / hf_seconds,
                      hf_seconds / seconds,
                      agreement(theirs, ours),
                      floor / hf_seconds))
-    return (f"{len(prompts)} mixed requests, {llm.device}, {llm.dtype}",
-            ["engine", "seconds", "output tokens/s", "nanopaged's speedup",
-             "same greedy tokens", "of the matmul floor"],
+    return (f"{len(prompts)} mixed requests, {llm.device}, {llm.dtype}; the others are "
+            "transformers'",
+            ["engine", "seconds", "output\ntokens/s", "nanopaged's\nspeedup",
+             "same\ntokens", "of the\nfloor"],
             rows,
             f"nanopaged is {rows[3][3]:.1f}x as fast as transformers' continuous batching, "
             f"{rows[2][3]:.1f}x static batches of 8, {rows[1][3]:.1f}x one at a time; "
@@ -245,6 +249,7 @@ def prefix(args):
     """A system prompt of 400 tokens (25 full blocks) before each 12-token question; a request
     arrives every other step. TTFT: from add_requests to the first token."""
     rows = []
+    notes = []
     for caching in (True, False):
         # 412 + 16 tokens: 27 blocks a request, room for all.
         llm = engine(args, args.num_requests * 27, enable_prefix_caching=caching)
@@ -256,12 +261,12 @@ def prefix(args):
         rows.append((f"caching {'on' if caching else 'off'}",
                      llm.num_prefill_tokens_computed,
                      s["prefix_cache_hit_rate"],
-                     fmean(ttft),
-                     reasons(s)))
+                     fmean(ttft)))
+        notes.append(f"caching {'on' if caching else 'off'}, computed by reason: {reasons(s)}")
     return (f"{args.num_requests} requests of 412 tokens sharing 400, one every other step",
-            ["prefix caching", "prefill tokens computed", "hit rate",
-             "mean ttft (s)", "computed by reason"],
+            ["prefix caching", "prefill tokens\ncomputed", "hit rate", "mean ttft (s)"],
             rows,
+            *notes,
             f"With prefix caching the engine computes {1 - rows[0][1] / rows[1][1]:.0%} fewer "
             f"prompt tokens and the first token comes {rows[1][3] / rows[0][3]:.1f}x sooner.")
 
@@ -314,8 +319,8 @@ def kv_dtype(args):
                      agreement(outs, want_outs),
                      fmean(differ or [float("nan")])))
     return (f"{len(prompts)} prompts, {memory / 2**20:.0f} MiB of KV cache",
-            ["kv_cache_dtype", "bytes/block", "at once", "tokens/s", "top-1", "KL",
-             "identical", "differ at"],
+            ["dtype", "bytes/\nblock", "at\nonce", "tokens/s", "top-1", "KL", "identical",
+             "differ\nat"],
             rows,
             f"INT8 stores {rows[0][1] / rows[1][1]:.2f}x the blocks in the same memory, "
             f"runs {rows[1][2] / rows[0][2]:.1f}x the requests at once "
@@ -325,10 +330,11 @@ def kv_dtype(args):
 
 def priority(args):
     """Short interactive requests (16-32 tokens, 8 out), one every other step, among long batch
-    requests queued at once (128-256 tokens, 64 out), twice as many as the pool holds, so that it
-    preempts: first come first served; by priority (interactive 0, batch 1); and with aging. The
-    interactive requests' TTFT; the longest a batch request waited for its first token."""
-    num_batch, num_interactive = (6, 8) if args.quick else (12, 24)
+    requests queued at once (128-256 tokens, 64 out; --quick: 32), twice as many as the pool
+    holds, so that it preempts: first come first served; by priority (interactive 0, batch 1);
+    and with aging. The interactive requests' TTFT; the longest a batch request waited for its
+    first token."""
+    num_batch, num_interactive, batch_out = (6, 8, 32) if args.quick else (12, 24, 64)
     prompts = pieces(corpus(engine(args)), 5,
                      [(128, 256)] * num_batch + [(16, 32)] * num_interactive)
     policies = {"fcfs": {},
@@ -338,11 +344,11 @@ def priority(args):
     rows = []
     for name, policy in policies.items():
         # The pool holds half the batch requests at their longest.
-        llm = engine(args, num_batch // 2 * (256 + 64) // 16, **policy)
+        llm = engine(args, num_batch // 2 * (256 + batch_out) // 16, **policy)
         # The batch requests at step 0 (priority 1; under fcfs all are 0), then the interactive
         # ones, one every other step (priority 0).
         (ttft, tokens), seconds = timed(arrive, llm, [
-            (0, prompts[:num_batch], greedy(64), [1 if policy else 0] * num_batch),
+            (0, prompts[:num_batch], greedy(batch_out), [1 if policy else 0] * num_batch),
             *[(2 * i, [p], greedy(8)) for i, p in enumerate(prompts[num_batch:])]])
         # First come first served runs first: the others are compared with it.
         if name == "fcfs":
@@ -353,8 +359,8 @@ def priority(args):
                      llm.num_generated_tokens / seconds,
                      agreement(tokens, want)))
     return (f"{num_interactive} interactive requests among {num_batch} batch requests",
-            ["policy", "ttft mean", "ttft p90", "batch: longest ttft", "tokens/s",
-             "same tokens"],
+            ["policy", "ttft\nmean", "ttft\np90", "batch:\nlongest ttft", "tokens/s",
+             "same\ntokens"],
             rows,
             f"By priority the interactive requests' first token comes "
             f"{rows[0][1] / rows[1][1]:.1f}x sooner than first come first served "
@@ -363,14 +369,15 @@ def priority(args):
 
 
 def multiturn(args):
-    """Chats, each turn the whole history and a new 64-token message (16 tokens back), one request
-    at a time, the chats in turn, in a device pool of two histories; the tiers below it; then slow
-    links, emulated (tier_gbps), with copies that block, then in the background, written ahead.
+    """Chats, each turn the whole history and a new 64-token message (16 tokens back; --quick: 8,
+    each a step), one request at a time, the chats in turn, in a device pool of two histories;
+    the tiers below it; then slow links, emulated (tier_gbps), with copies that block, then in
+    the background, written ahead.
     On a CPU the device is host memory too, and the disk file may sit in the page cache: unslowed,
     both links are memory copies."""
-    num_chats, num_turns = (4, 4) if args.quick else (8, 6)
-    # Two chats' last turns, 80 tokens a turn.
-    num_blocks = 2 * (num_turns * 80 + 15) // 16
+    num_chats, num_turns, reply = (4, 4, 6) if args.quick else (8, 6, 16)
+    # Two chats' last turns.
+    num_blocks = 2 * (num_turns * (64 + reply) + 15) // 16
     # Host blocks for a quarter of the chats.
     quarter = num_chats * num_blocks // 8
     tiers = {"num_cpu_blocks": quarter, "num_disk_blocks": 4 * num_blocks}
@@ -382,14 +389,15 @@ def multiturn(args):
                "+ host": {"num_cpu_blocks": num_chats * num_blocks},
                "+ 1/4 host": {"num_cpu_blocks": quarter},
                # INT8 host blocks in the bytes of a quarter in the model's dtype.
-               "+ 1/4 host in INT8": {"num_cpu_blocks": quarter * sizes["device"] // sizes["host"],
-                                      "offload_kv_cache_dtype": "int8"},
+               "+ 1/4 host, INT8": {"num_cpu_blocks": quarter * sizes["device"] // sizes["host"],
+                                    "offload_kv_cache_dtype": "int8"},
                "+ 1/4 host, disk": tiers,
-               "slow links: blocking": {**slow, "async_copies": False},
-               "slow links: write-ahead": slow}   # async_copies, the default
+               "slow: blocking": {**slow, "async_copies": False},
+               "slow: write-ahead": slow}   # async_copies, the default
     # A warm-up run.
     engine(args, num_blocks).generate([1] * 64)
     rows = []
+    notes = []
     for name, pools in configs.items():
         llm = engine(args, num_blocks, **pools)
         text = corpus(llm)
@@ -399,7 +407,7 @@ def multiturn(args):
         # The chats in turn (each list num_turns times over): a chat's new message, then the reply.
         for i, chat in enumerate(chats * num_turns):
             chat += text[997 * i % (len(text) - 64):][:64]
-            out = llm.generate(chat, greedy(16))[0]
+            out = llm.generate(chat, greedy(reply))[0]
             chat += out.outputs[0].token_ids
             ttft.append(out.ttft)
         seconds = time.perf_counter() - t0
@@ -421,14 +429,16 @@ def multiturn(args):
                               for t in nanopaged.TIERS),
                      *mean_p90(ttft),
                      llm.num_generated_tokens / seconds,
-                     s["copy_wait_seconds"],
-                     reasons(s),
                      chats == want))
+        notes.append(f"{name}: waited {s['copy_wait_seconds']:.2f} s on copies; computed by "
+                     f"reason: {reasons(s)}")
     device_only, host, _, int8, _, blocking, write_ahead = rows
-    return (f"{num_chats} chats of {num_turns} turns, {num_blocks} device blocks",
-            ["tiers", "prefill computed", "hits: device host disk", "ttft mean", "ttft p90",
-             "tokens/s", "waited (s)", "computed by reason", "same"],
+    return (f"{num_chats} chats of {num_turns} turns, {num_blocks} device blocks; slow: over "
+            "slow links",
+            ["tiers", "prefill\ncomputed", "hits:\ndevice host\ndisk", "ttft\nmean",
+             "ttft\np90", "tokens/s", "same"],
             rows,
+            *notes,
             f"With a host tier {1 - host[1] / device_only[1]:.0%} fewer prompt tokens are "
             f"computed and the first token comes {device_only[3] / host[3]:.1f}x sooner, "
             f"{1 - int8[1] / device_only[1]:.0%} with a quarter of its memory in INT8. "
@@ -439,7 +449,8 @@ def multiturn(args):
             f"with {write_ahead[5] / blocking[5]:.1f}x the tokens/s.")
 
 
-# Each experiment returns its table (title, columns, rows) and its conclusion.
+# Each experiment returns its table (title, columns, rows), any notes (lines for below the
+# table: the breakdowns too long for a column) and its conclusion.
 EXPERIMENTS = {f.__name__: f
                for f in (memory, throughput, prefix, kv_dtype, priority, multiturn)}
 
@@ -469,17 +480,18 @@ if __name__ == "__main__":
     results = {}   # experiment -> its figures, for --json
     t0 = time.perf_counter()
     for name in [args.only] if args.only else EXPERIMENTS:
-        title, columns, rows, conclusion = EXPERIMENTS[name](args)
-        # The experiment's table and conclusion. The first column names a row; the others hold
-        # figures.
+        title, columns, rows, *notes, conclusion = EXPERIMENTS[name](args)
+        # The experiment's table, its notes (the breakdowns too long for a column) and its
+        # conclusion. The first column names a row; the others hold figures.
         table = Table(*columns, title=f"{name}: {title}", title_justify="left")
         for column in table.columns[1:]:
             column.justify = "right"
         for row in rows:
             table.add_row(*[f"{x:.2f}" if isinstance(x, float) else str(x) for x in row])
-        console.print(table, conclusion + "\n", style="bold")
+        console.print(table, *notes, conclusion + "\n", sep="\n", style="bold")
         results[name] = {"columns": columns,
                          "rows": rows,
+                         "notes": notes,
                          "conclusion": conclusion}
     console.print(f"done in {time.perf_counter() - t0:.0f} s")
     # Written last: the tables are printed whatever becomes of the file, which was checked

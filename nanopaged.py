@@ -913,9 +913,9 @@ RequestOutput = namedtuple("RequestOutput", "request_id prompt_token_ids outputs
                            "num_cached_tokens cached_by_tier computed_by_reason")
 CompletionOutput = namedtuple("CompletionOutput", "index token_ids text finish_reason")
 
-# what one step did, for whoever watches (LLM.on_step): its number, the ScheduledBatch it ran,
-# the events it caused, the metrics after it (stats()), and how long it took in seconds
-StepReport = namedtuple("StepReport", "step batch events stats seconds")
+# what one step did, for whoever watches (LLM.on_step): its number, the ScheduledBatch it ran
+# (the model's seconds on it too), the events it caused, the metrics after it (stats())
+StepReport = namedtuple("StepReport", "step batch events stats")
 
 
 def sample(logits, request, i, best):
@@ -1085,15 +1085,12 @@ class LLM:
     def step(self):
         """One engine step (the story is in _step); one that raises is undone first (section 10)."""
         require(self.scheduler.has_unfinished(), "step(): nothing to run; add_requests() first")
-        t0 = time.perf_counter()
         self.events.step = self.num_steps + 1
         # if it raises, what it changed is put back first
         with recovery(Undo(self).restore):
             batch = self._step()
             self.num_steps += 1
-            seconds = time.perf_counter() - t0
-            report = StepReport(self.num_steps, batch, self.events.take(), self.stats(),
-                                seconds)
+            report = StepReport(self.num_steps, batch, self.events.take(), self.stats())
         for callback in self.on_step:
             callback(report)
         return report
@@ -1492,38 +1489,36 @@ def check_block_manager(bm):
         # "block 3" on the device, "host block 3" below, as the trace names them
         name = "" if pool is bm.device else f"{pool.name} "
         held = Counter(b for seq in pool.seqs.values() for b in seq.block_table)
-        for b in pool.blocks:
-            assert b.ref_count == held[b.block_id], (f"{step}: {name}block {b.block_id} has "
-                                                     f"ref_count {b.ref_count}, held by "
-                                                     f"{held[b.block_id]} tables")
         # each block in one list, the one its fields say: used if held; else cached if
         # registered (it has a hash), empty if not
         listed = Counter([*pool.empty_block_ids, *pool.cached_block_ids, *held])
         for b in pool.blocks:
+            assert b.ref_count == held[b.block_id], (f"{step}: {name}block {b.block_id} has "
+                                                     f"ref_count {b.ref_count}, held by "
+                                                     f"{held[b.block_id]} tables")
             registered = b.hash is not None
             in_cache = b.block_id in pool.cached_block_ids
-            want = "held" if b.ref_count else "cached" if registered else "empty"
+            # its list: held if a table holds it, else cached if registered, else empty
             assert listed[b.block_id] == 1 and (b.ref_count or registered == in_cache), (
                 f"{step}: partition: {name}block {b.block_id} is in {listed[b.block_id]} "
-                f"lists (cached: {in_cache}), want the {want} list alone (ref_count "
-                f"{b.ref_count}, hash {b.hash})")
-        # the map lists the registered blocks under their hashes, and no others
+                f"lists (cached: {in_cache}), want one alone (ref_count {b.ref_count}, hash "
+                f"{b.hash})")
+            if registered:
+                assert b.block_id in pool.hash_to_block_ids.get(b.hash, ()), (
+                    f"{step}: hash map: {name}block {b.block_id} has hash {b.hash}, not listed")
+                # copies of one prefix, in any tier, are one prefix
+                entry = (b.hash, b.token_ids, b.parent_prefix_id)
+                prefix = prefixes.setdefault(b.prefix_id, entry)
+                assert prefix == entry, (f"{step}: hash map: prefix {b.prefix_id} is (hash, "
+                                         f"tokens, parent) {prefix}, but {entry} in {name}block "
+                                         f"{b.block_id}")
+        # the map lists the registered blocks under their hashes (above), and no others
         for h, bucket in pool.hash_to_block_ids.items():
             assert bucket, f"{step}: hash map: {pool.name} hash {h} lists no block"
             for block_id in bucket:
                 found = pool.blocks[block_id].hash
                 assert found == h, (f"{step}: hash map: {name}block {block_id} is listed under "
                                     f"hash {h}, its hash is {found}")
-        registered = [b for b in pool.blocks if b.hash is not None]
-        for b in registered:
-            assert b.block_id in pool.hash_to_block_ids.get(b.hash, ()), (
-                f"{step}: hash map: {name}block {b.block_id} has hash {b.hash}, not listed")
-            # copies of one prefix, in any tier, are one prefix
-            entry = (b.hash, b.token_ids, b.parent_prefix_id)
-            prefix = prefixes.setdefault(b.prefix_id, entry)
-            assert prefix == entry, (f"{step}: hash map: prefix {b.prefix_id} is (hash, tokens, "
-                                     f"parent) {prefix}, but {entry} in {name}block "
-                                     f"{b.block_id}")
         for seq in pool.seqs.values():
             # the newest token may lack its slot yet
             n = len(seq.block_table)
@@ -1531,8 +1526,9 @@ def check_block_manager(bm):
             assert n in sizes, (f"{step}: block table: seq {seq.seq_id} has {n} blocks for "
                                 f"{len(seq)} tokens, want {' or '.join(map(str, sizes))}")
     seq_ids = [s for pool in bm.tiers for s in pool.seqs]
-    twice = [s for s, n in Counter(seq_ids).items() if n > 1]
-    assert not twice, f"{step}: partition: seqs {twice} have tables in two tiers"
+    assert len(seq_ids) == len(set(seq_ids)), (f"{step}: partition: seqs "
+                                               f"{[s for s in seq_ids if seq_ids.count(s) > 1]} "
+                                               "have tables in two tiers")
     # a registered block holds the prefix of all its holders; it follows registered blocks only
     for seq in bm.device.seqs.values():
         # the prefix block i follows (None: the first, or it follows an unregistered block)
@@ -2384,26 +2380,26 @@ def put_back_sources(bm, unmade):
     # each block's last writer among them, and its first
     last = {block: i for i, block in enumerate(writes)}
     first = {block: i for i, block in reversed(list(enumerate(writes)))}
-    kept = set()
+    lost = set(writes)
     # from the last copy back: a source put back is no earlier copy's block to write, so no entry
     # read after it has changed
     for i in reversed(range(len(unmade))):
         src_tier, src, dst_tier, dst = unmade[i]
+        # no copy before it was to write its source: the source's K/V are as they were
         intact = first.get((src_tier, src), i) >= i
         if intact and last[dst_tier, dst] == i and is_registered(dst_tier, dst):
             # registered since (as it was, or another's by a copy never made): again, as the copy
             if is_registered(src_tier, src):
                 bm._unregister(src_tier, src_tier.blocks[src])
             bm._register(src_tier, src_tier.blocks[src], like=dst_tier.blocks[dst])
-            kept.add((src_tier, src))
-    return set(writes) - kept
+            lost.discard((src_tier, src))
+    return lost
 
 
 def is_registered(pool, block_id):
     """Wholly: a step stopped halfway may leave a block's fields set, not its place in the map
     (which _register fills last)."""
-    block = pool.blocks[block_id]
-    return block.block_id in pool.hash_to_block_ids.get(block.hash, ())
+    return block_id in pool.hash_to_block_ids.get(pool.blocks[block_id].hash, ())
 
 
 def rebuild_pool(bm, pool, lost):

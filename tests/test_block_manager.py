@@ -293,7 +293,7 @@ def test_a_broken_invariant_says_the_step_the_block_what_it_is_and_what_is_wante
     with pytest.raises(AssertionError) as error:
         llm.block_manager.check_invariants()
     assert str(error.value).startswith(f"step 2: partition: block {first} is in 2 lists "
-                                       "(cached: False), want the held list alone (ref_count 2")
+                                       "(cached: False), want one alone (ref_count 2")
     llm.block_manager.device.empty_block_ids.pop()
     while llm.scheduler.has_unfinished():
         llm.step()

@@ -1,8 +1,8 @@
 """The code reads as the design asks, measured as ../shared/tools/reading-path measures it: size in
 tokens (Python's own: names, operators, literals; not comments, docstrings, blank lines or
 indentation), so packing buys nothing: the reading path (nanopaged.py, model.py and kernel.py down
-to the line that marks its end) at most 10,000 tokens, the four .py files at most 26,571 (issue
-47's budget: 26,200 and what the Ctrl-C issue before it added); no file denser than the models
+to the line that marks its end) at most 10,000 tokens, the four .py files at most 27,300 (issue
+55's budget); no file denser than the models
 (nanopaged.py and bench.py at most 9.5 tokens a code line, model.py and kernel.py 11); at most 20%
 of a file's code lines 80 columns or wider; no line over 100 characters; every statement on a line
 of its own; none of the tricks the design rules out."""
@@ -71,11 +71,11 @@ def test_the_reading_path_is_marked_and_holds_at_most_10000_tokens():
     assert sum(tokens.values()) <= 10000, tokens
 
 
-def test_the_four_files_hold_at_most_27000_tokens():
-    """nanopaged.py, kernel.py, model.py and bench.py together hold at most 27,000 tokens (issue
-    49's budget; 26,800 with issue 48)."""
+def test_the_four_files_hold_at_most_27300_tokens():
+    """nanopaged.py, kernel.py, model.py and bench.py together hold at most 27,300 tokens (issue
+    55's budget; 27,000 with issue 49, 26,800 with issue 48)."""
     tokens = {name: code_tokens(source(name)) for name in FILES}
-    assert sum(tokens.values()) <= 27000, tokens
+    assert sum(tokens.values()) <= 27300, tokens
 
 
 def code_lines(text):
