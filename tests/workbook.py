@@ -48,15 +48,25 @@ def trace(flags):
     return out.getvalue()
 
 
-def main(argv=None):
+def exercise(text):
+    """An exercise's number, from the command line (argparse's type)."""
+    if not text.isdigit() or int(text) not in EXERCISES:
+        raise argparse.ArgumentTypeError(f"no exercise {text!r}: 1 to {len(EXERCISES)}")
+    return int(text)
+
+
+def exercises_asked(argv=None):
+    """The exercises the command line asks for, in its order; all of them for none."""
     parser = argparse.ArgumentParser(
         description="Every trace the README's exercises ask for, from one process (the model "
                     "loads once); the answers are tests/test_exercises.py.")
-    parser.add_argument("exercises", nargs="*", type=int, choices=list(EXERCISES),
-                        metavar="N", help=f"exercises to print, 1 to {len(EXERCISES)} "
-                                          "(default: all)")
-    args = parser.parse_args(argv)
-    for n in args.exercises or EXERCISES:
+    parser.add_argument("exercises", nargs="*", type=exercise, metavar="N",
+                        help=f"exercises to print, 1 to {len(EXERCISES)} (default: all)")
+    return parser.parse_args(argv).exercises or list(EXERCISES)
+
+
+def main(argv=None):
+    for n in exercises_asked(argv):
         for flags in EXERCISES[n]:
             print(f"{'=' * 100}\nexercise {n}: {command(flags)}\n{'=' * 100}")
             print(trace(flags), flush=True)
