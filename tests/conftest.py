@@ -20,7 +20,7 @@ SEQ_IDS = itertools.count()
 # A lab's test (tests/test_lab_*.py) that runs past this many seconds fails, named, so that a
 # handout whose code loops forever is graded in minutes, not hung (tests/labs.py grade --timeout
 # sets another limit, through NANOPAGED_LAB_TIMEOUT)
-LAB_TIMEOUT = float(os.environ.get("NANOPAGED_LAB_TIMEOUT", 60))
+LAB_TIMEOUT = float(os.environ.get("NANOPAGED_LAB_TIMEOUT", 20))
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -4,8 +4,8 @@ labs.py: labs a class can hand out, one per mechanism of the block manager and t
 A lab's handout is a copy of the project with that mechanism's code replaced by a stub that says
 what must hold and which test checks each rule; its tests stay. Grading runs the tests that pin
 the mechanism (random:tiny or no model, under a minute) and says which invariant broke, in which
-block, at which step. A test that runs past a limit (60 s) fails, named: a loop that never ends
-costs a minute, not the grade.
+block, at which step. A test that runs past a limit (20 s; the slowest takes some 4) fails,
+named: a loop that never ends costs seconds, not the grade.
 
     python tests/labs.py                          the labs, one line each, in the order to take them
     python tests/labs.py handout LAB DIR          DIR: a copy of the project with LAB's stub in
@@ -446,7 +446,7 @@ class Result:
                 f"write {self.lab.writes}")
 
 
-def run_labs(labs, root=ROOT, quiet=True, timeout=60):
+def run_labs(labs, root=ROOT, quiet=True, timeout=20):
     """Run labs' tests in root, all in one pytest process: {lab name: Result}. quiet=False
     shows pytest's report (each failure's message) as it runs; a test that runs past timeout
     seconds fails (tests/conftest.py)."""
@@ -475,7 +475,7 @@ def run_labs(labs, root=ROOT, quiet=True, timeout=60):
         return results
 
 
-def grade(lab, root=ROOT, timeout=60):
+def grade(lab, root=ROOT, timeout=20):
     """Run lab's tests in root with pytest's report, then the verdict. Returns the Result."""
     result = run_labs([lab], root, quiet=False, timeout=timeout)[lab.name]
     print(result.verdict())
@@ -496,8 +496,8 @@ def main(argv=None):
     grader = commands.add_parser("grade", help="run LAB's tests in DIR; exit 0 if they pass")
     grader.add_argument("lab", choices=LAB_NAMES)
     grader.add_argument("dir", nargs="?", default=ROOT, help="a handout (default: the project)")
-    grader.add_argument("--timeout", type=float, default=60,
-                        help="seconds a test may run before it fails (default: 60)")
+    grader.add_argument("--timeout", type=float, default=20,
+                        help="seconds a test may run before it fails (default: 20)")
     args = parser.parse_args(argv)
     if args.command == "handout":
         lab = LAB_NAMES[args.lab]

@@ -83,21 +83,21 @@ def graded(tmp_path_factory):
     with that wrong solution in, "loops": and with LOOPS'}, each {lab name: labs.Result}; the
     seconds each run took, in "seconds"."""
     # key -> (folder, its labs to run, the limit a test has)
-    folders = {"project": (labs.ROOT, labs.LABS, 60)}
+    folders = {"project": (labs.ROOT, labs.LABS, 20)}
     for lab in labs.LABS:
         handout = str(tmp_path_factory.mktemp(lab.name))
         labs.make_handout(lab, handout)
-        folders[lab.name] = (handout, labs.LABS, 60)
+        folders[lab.name] = (handout, labs.LABS, 20)
         pasted = str(tmp_path_factory.mktemp(f"pasted-{lab.name}"))
         labs.make_handout(lab, pasted)
         labs.paste_back(lab, pasted)
         # byte-identical to the project (test_pasting_back...): its own lab is what is left
-        folders[f"pasted {lab.name}"] = (pasted, [lab], 60)
+        folders[f"pasted {lab.name}"] = (pasted, [lab], 20)
     for what, (name, edits, _) in [*WRONG.items(), ("loops", (*LOOPS, None))]:
         folder = str(tmp_path_factory.mktemp("wrong"))
         write_wrong(folder, edits)
         key = "loops" if what == "loops" else f"wrong {what}"
-        folders[key] = (folder, [labs.LAB_NAMES[name]], LOOP_TIMEOUT if key == "loops" else 60)
+        folders[key] = (folder, [labs.LAB_NAMES[name]], LOOP_TIMEOUT if key == "loops" else 20)
 
     def timed(root, lab_list, timeout):
         start = time.perf_counter()
@@ -184,7 +184,7 @@ def test_a_wrong_solution_fails_its_lab_in_the_test_of_the_rule_it_breaks(graded
 
 def test_a_test_that_loops_forever_fails_named_once_past_its_limit(graded):
     """A victim chosen by a loop that never ends: each preemption test that runs it fails,
-    named, once past its limit (2 s here, 60 s by default), and the grade ends in moments."""
+    named, once past its limit (2 s here, 20 s by default), and the grade ends in moments."""
     result = graded["loops"]["preemption"]
     timed_out = [f for f in result.failed if f"ran past {LOOP_TIMEOUT} s" in f]
     assert len(timed_out) >= 4 and result.failed == timed_out, result.failed
