@@ -207,8 +207,7 @@ class Llama(nn.Module):
         # logits (the vocabulary matmul) only for the last token of a sequence ending its chunk:
         # (num_sampled, vocab); and whether each token's hidden state is finite, (T,) bool: a NaN
         # in a chunk that samples nothing would otherwise reach the cache unseen
-        logits = self.lm_head(self.norm(x[batch.logits_indices])).float()
-        return logits, x.isfinite().all(-1)
+        return self.lm_head(self.norm(x[batch.logits_indices])).float(), x.isfinite().all(-1)
 
 # ==============================================================================================
 # reading path ends here; below, Linear's CPU path, then weight loading from transformers' tensors

@@ -2065,15 +2065,18 @@ class CopyEngine:
         weakref.finalize(llm, self.worker.shutdown, wait=False)
 
     def make(self, copier, copy, ready):   # on the worker thread
+        # after a failure none is made: its Future says so, with an exception, as the failed one's
+        if self.failed is not None:
+            raise RuntimeError("not made: a copy before it failed")
         try:
             # on CUDA on the side stream, after the K/V the steps before wrote (a CPU: None)
             with torch.cuda.stream(self.stream):
                 if ready is not None:
                     self.stream.wait_event(ready)
-                if self.failed is None:   # after a failure: none
-                    copier.copy(*copy)
+                copier.copy(*copy)
         except BaseException as e:   # the main thread raises it at its next step
             self.failed = e
+            raise
 
     def start(self, llm, batch):
         """Queue the step's copies, then return batch without the requests still loading."""
@@ -2152,11 +2155,10 @@ class CopyEngine:
         go by its link. Returns the copies not made (BlockCopy, in the order queued): the K/V
         they were to write are not trusted. However slow the links, a Ctrl-C is answered in
         moments."""
-        # made: done before the stop; one under way may stop half made. After a failure none no
-        # step has seen made is trusted: those before the failed one were made, but the undo
-        # drops their blocks too (a failure is rare)
+        # made: done before the stop, with no exception (the one that failed, and every one after
+        # it, has one); one under way may stop half made
         lost = [copy for future, copy in self.started.items()
-                if not future.done() or self.failed is not None]
+                if not future.done() or future.exception() is not None]
         copier.stop.set()
         for future in self.started:
             # False for the one under way: it ends at its link's next wait
@@ -2331,9 +2333,7 @@ class Undo:
         llm = self.llm
         # the copies never made, in the order queued: those the copy engine gives up, then those
         # not queued yet
-        unmade = []
-        if llm.copy_engine:
-            unmade = llm.copy_engine.give_up(llm.copier)
+        unmade = llm.copy_engine.give_up(llm.copier) if llm.copy_engine else []
         unmade += llm.block_manager.copies
         for obj, state in self.states:
             # bm.copies too: empty, as every step starts
@@ -2377,16 +2377,18 @@ def put_back_sources(bm, unmade):
     its copy was given, so that a load or a write-down stopped halfway loses no prefix (unless a
     later copy was to write the copy too, or it was evicted since: its entry is not this one)."""
     writes = [(c.dst_tier, c.dst) for c in unmade]
-    # each block's last writer among them, and its first
+    # each block's last writer among them; and, as the loop goes back, the blocks that the copies
+    # before the one at hand were to write
     last = {block: i for i, block in enumerate(writes)}
-    first = {block: i for i, block in reversed(list(enumerate(writes)))}
+    before = Counter(writes)
     lost = set(writes)
     # from the last copy back: a source put back is no earlier copy's block to write, so no entry
     # read after it has changed
     for i in reversed(range(len(unmade))):
         src_tier, src, dst_tier, dst = unmade[i]
+        before[dst_tier, dst] -= 1
         # no copy before it was to write its source: the source's K/V are as they were
-        intact = first.get((src_tier, src), i) >= i
+        intact = not before[src_tier, src]
         if intact and last[dst_tier, dst] == i and is_registered(dst_tier, dst):
             # registered since (as it was, or another's by a copy never made): again, as the copy
             if is_registered(src_tier, src):
