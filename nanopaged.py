@@ -1890,8 +1890,9 @@ def load_figures(bm, tier):
 
 @dataclass
 class CostModel:
-    """Recomputing costs tokens * seconds_per_token, the steps' average (an upper estimate: a
-    step's fixed cost is spread over its tokens); copying costs blocks * seconds_per_block."""
+    """Recomputing costs tokens * seconds_per_token, the model's average over the steps (its
+    forward alone, no wait for copies; an upper estimate: a forward's fixed cost is spread over
+    its tokens); copying costs blocks * seconds_per_block."""
     block_size: int
     # tier -> seconds to copy one block between it and the device
     seconds_per_block: dict
@@ -1955,8 +1956,8 @@ class CostModel:
 def build_tiers(llm, args, block):
     """LLM's tiers below the device: host memory (pinned on CUDA) and a file mapped into memory;
     the block copier between the tiers, its links as slow as tier_gbps says; with async_copies
-    the copy engine; the cost rule, each tier's block copy timed now (each step's tokens after
-    it). Returns (kv_caches: tier name -> K/V, copier, copy engine or None, cost)."""
+    the copy engine; the cost rule, each tier's block copy timed now (the model's time a token
+    after it). Returns (kv_caches: tier name -> K/V, copier, copy engine or None, cost)."""
     low_dtype, low_block = offload_block(args, block, llm.model.config.head_dim,
                                          llm.kv_cache.dtype)
     host_shape, disk_shape = (low_block[:2] + (n,) + low_block[2:]
