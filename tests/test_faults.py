@@ -93,25 +93,42 @@ def sigint_raises():
     signal.signal(signal.SIGINT, previous)
 
 
-@pytest.mark.parametrize("async_copies", [True, False])
-def test_a_ctrl_c_during_a_load_from_the_host_leaves_the_prefix_there(sigint_raises,
-                                                                       async_copies):
-    """Prompt A's blocks written down to the host (another prompt took the device pool), then A
-    again, its load over a link of 4 s a block: a SIGINT 0.5 s into the step's first copy is
-    answered at once, and the undo leaves A's blocks cached on the host, where A, asked again,
-    finds them (not 'first seen'); its tokens are a fresh engine's."""
-    a = list(range(10, 22))
-    b = list(range(40, 63))
+A = list(range(10, 22))   # 3 blocks of 4 tokens: the first 2 can be found
+
+
+def a_on_the_host(async_copies=True):
+    """An engine where prompt A ran, then a longer prompt took the whole device pool: A's blocks
+    are written down to the host. No cost rule: every tier is worth loading from, however slow
+    its link. Returns the engine and A's output."""
     llm = checked(LLM("random:tiny", block_size=4, num_blocks=6, num_cpu_blocks=8,
                       preemption_mode="recompute", async_copies=async_copies))
-    # no cost rule: every tier is worth loading from, however slow its link
     llm.block_manager.cost = None
-    [want] = llm.generate([a], GREEDY)
-    llm.generate([b], SamplingParams(temperature=0, max_tokens=1))
+    [out] = llm.generate([A], GREEDY)
+    llm.generate([list(range(40, 63))], SamplingParams(temperature=0, max_tokens=1))
     host = llm.block_manager.host
     on_host = sorted(host.blocks[i].token_ids for ids in host.hash_to_block_ids.values()
                      for i in ids)
-    assert [tuple(a[:4]), tuple(a[4:8])] == on_host[:2]
+    assert [tuple(A[:4]), tuple(A[4:8])] == on_host[:2]
+    return llm, out
+
+
+def assert_a_is_found_on_the_host(llm, want):
+    """A, asked again, finds its 2 blocks on the host (not 'first seen'): a fresh engine's
+    tokens, every block free or cached after."""
+    llm.block_manager.check_invariants()
+    [again] = llm.generate([A], GREEDY)
+    assert again.cached_by_tier == {"host": 8}, again.computed_by_reason
+    assert tokens(again) == tokens(want)
+    assert_no_block_held(llm)
+
+
+@pytest.mark.parametrize("async_copies", [True, False])
+def test_a_ctrl_c_during_a_load_from_the_host_leaves_the_prefix_there(sigint_raises,
+                                                                       async_copies):
+    """Prompt A's blocks on the host, then A again, its load over a link of 4 s a block: a SIGINT
+    0.5 s into the step's first copy is answered at once, and the undo leaves A's blocks cached on
+    the host, where A, asked again, finds them."""
+    llm, want = a_on_the_host(async_copies)
     # each copy over the host link now takes 4 s
     llm.copier.seconds["host"] = 4.0
     copy, sent = llm.copier.copy, []
@@ -124,29 +141,19 @@ def test_a_ctrl_c_during_a_load_from_the_host_leaves_the_prefix_there(sigint_rai
 
     llm.copier.copy = first_copy_interrupted
     with pytest.raises(KeyboardInterrupt):
-        llm.generate([a], GREEDY)
+        llm.generate([A], GREEDY)
     assert time.perf_counter() - sent[0] < 2
     llm.copier.copy = copy
     del llm.copier.seconds["host"]
-    llm.block_manager.check_invariants()
-    [again] = llm.generate([a], GREEDY)
-    assert again.cached_by_tier == {"host": 8}, again.computed_by_reason
-    assert tokens(again) == tokens(want)
-    assert_no_block_held(llm)
+    assert_a_is_found_on_the_host(llm, want)
 
 
 def test_a_copy_that_fails_is_an_error_and_the_prefix_stays_where_it_was():
     """As above, but the step's first copy raises on the copy thread (a disk or device error): the
     step raises RuntimeError naming it; the copies from it on are not trusted (the one that failed
-    and those after it, which are not made), their sources kept; A, asked again, finds its blocks
-    on the host, with a fresh engine's tokens, every invariant holding."""
-    a = list(range(10, 22))
-    b = list(range(40, 63))
-    llm = checked(LLM("random:tiny", block_size=4, num_blocks=6, num_cpu_blocks=8,
-                      preemption_mode="recompute"))
-    llm.block_manager.cost = None
-    [want] = llm.generate([a], GREEDY)
-    llm.generate([b], SamplingParams(temperature=0, max_tokens=1))
+    and those after it, which are not made), their sources kept: A, asked again, finds its blocks
+    on the host."""
+    llm, want = a_on_the_host()
     copy = llm.copier.copy
 
     def failing(*args):
@@ -155,12 +162,8 @@ def test_a_copy_that_fails_is_an_error_and_the_prefix_stays_where_it_was():
 
     llm.copier.copy = failing
     with pytest.raises(RuntimeError, match="a block copy failed: OSError"):
-        llm.generate([a], GREEDY)
-    llm.block_manager.check_invariants()
-    [again] = llm.generate([a], GREEDY)
-    assert again.cached_by_tier == {"host": 8}, again.computed_by_reason
-    assert tokens(again) == tokens(want)
-    assert_no_block_held(llm)
+        llm.generate([A], GREEDY)
+    assert_a_is_found_on_the_host(llm, want)
 
 
 # ----------------------------------------------------------------------------------------------
