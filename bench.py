@@ -199,7 +199,7 @@ def memory(args):
 
 def throughput(args):
     """The same greedy requests (eos off) through nanopaged and three transformers baselines;
-    --quick: outputs of 8-32 tokens (8-128), as one at a time takes a token's time each."""
+    --quick: outputs of 8-16 tokens (8-128), as one at a time takes a token's time each."""
     longest = 16 if args.quick else 128
     # Room for every request at once: mixed_workload's prompts and outputs at their longest.
     num_blocks = args.num_requests * (256 + longest) // 16
@@ -369,7 +369,7 @@ def priority(args):
 
 
 def multiturn(args):
-    """Chats, each turn the whole history and a new 64-token message (16 tokens back; --quick: 8,
+    """Chats, each turn the whole history and a new 64-token message (16 tokens back; --quick: 6,
     each a step), one request at a time, the chats in turn, in a device pool of two histories;
     the tiers below it; then slow links, emulated (tier_gbps), with copies that block, then in
     the background, written ahead.
