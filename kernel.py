@@ -11,13 +11,16 @@ Sequence i's q_len new tokens, q[qsl[i]:qsl[i+1]] (qsl = query_start_loc), are t
 context_lens[i] tokens and attend causally to all before them (q_len 1: a decode; more: a prefill
 chunk), with grouped-query attention. Read it in order, as a Triton tutorial: the K/V write; the
 PyTorch reference (the CPU path and the kernel's oracle) and its plan of the step (made once a
-step by the model, for all its layers); the Triton kernel; its launcher; dispatch, where the
-reading path ends. Below the banner, for a second reading: the launcher's refinements (an INT8
-pool's scales, flash-decoding's partial outputs and their merge); the INT8 cache
-(kv_cache_dtype="int8": quantize and dequantize, a float32 scale after each row); the backend
-check (which path serves a call, and what NANOPAGED_ATTENTION may force); flash-decoding's
-split choice (num_kv_splits_for, from the GPU's multiprocessor count); random_case, the random
-batches the check and the tests run; the decode benchmark; the check (`__main__`).
+step by the model, for all its layers); the Triton kernel; the plain launcher (a float pool, each
+context read by one program), where the reading path ends: the kernel's INT8 and flash-decoding
+branches are constexprs that launcher never takes. Below the banner, for a second reading: the
+full launcher and dispatch (paged_attention: any pool, flash-decoding's slices, the path that
+NANOPAGED_ATTENTION may force); the launcher's refinements (an INT8 pool's scales, the slices'
+partial outputs and their merge); the INT8 cache (kv_cache_dtype="int8": quantize and
+dequantize, a float32 scale after each row; its K/V write and its reference); the backend check;
+flash-decoding's split choice (num_kv_splits_for, from the GPU's multiprocessor count);
+random_case, the random batches the check and the tests run; the decode benchmark; the check
+(`__main__`).
 
     python kernel.py    checks the kernel against the reference over 36 shapes (CPU: interpreted,
                         float32; CUDA: compiled, bfloat16, then times decode against copy and SDPA)
@@ -35,11 +38,9 @@ import torch.nn.functional as F
 
 def store_kvcache(k, v, k_cache, v_cache, slot_mapping):
     """k, v: (num_tokens, kv_heads, head_dim); caches: (num_blocks, block_size, kv_heads, head_dim);
-    slot_mapping: (num_tokens,) int64, slot = block_id * block_size + offset. An INT8 cache
-    (kv_cache_dtype="int8", below the banner) stores each row quantized, its scale after it."""
+    slot_mapping: (num_tokens,) int64, slot = block_id * block_size + offset. (An INT8 cache:
+    store_kvcache_int8, below the banner.)"""
     for cache, new in ((k_cache, k), (v_cache, v)):
-        if cache.dtype == torch.int8:
-            new = quantize(new)
         cache.view(-1, *cache.shape[-2:]).index_copy_(0, slot_mapping, new)
 
 # ----------------------------------------------------------------------------------------------
@@ -51,7 +52,7 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_s
     """Shapes: see paged_attention_kernel. plan: make_plan's groups for this step, which the model
     makes once for all its layers (None: made here). The decodes go in one batch, each prefill
     chunk alone: padded to the longest chunk, a decode's one query or a short chunk would multiply
-    its work."""
+    its work. (An INT8 pool: paged_attention_ref_int8, below the banner.)"""
     num_kv_heads = k_cache.shape[2]
     # no plan given: made here, from the block size and the query heads per K/V head
     if plan is None:
@@ -66,9 +67,6 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_s
         # lab block-table: below, the gather through the block tables
         k, v = (cache.index_select(0, ids).view(len(rows), -1, *cache.shape[2:]).transpose(1, 2)
                 for cache in (k_cache, v_cache))
-        # kv_cache_dtype="int8": what was gathered, back to floats (below the banner)
-        if k.dtype == torch.int8:
-            k, v = dequantize(k, q.dtype), dequantize(v, q.dtype)
         # 2. grouped-query attention as the kernel does it: the query heads that share a K/V
         #    head are more rows of one attention over that head's K and V
         #    qg: (seqs, kv_heads, q_len, group, dim)
@@ -246,11 +244,22 @@ def paged_attention_kernel(
                  mask=row_ok)
 
 
-def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
-                           max_query_len=None, num_kv_splits=1, out=None):
-    """Launch the kernel. max_query_len: the most new tokens of a sequence (given, it saves a
-    device-to-host read). num_kv_splits > 1: flash-decoding, each context read in that many slices
-    at once, merged by log-sum-exp. out: where to write (NaN in tests: unwritten rows show)."""
+def paged_attention_plain(q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                          scale, max_query_len=None):
+    """The kernel on a float pool, each context read whole by one program (the full launcher,
+    paged_attention_triton, is below the banner: INT8 pools, flash-decoding's slices)."""
+    out = torch.empty_like(q)
+    # lse, the scales: pointers that one split of a float pool never reads
+    launch(out, out, q, k_cache, v_cache, k_cache, v_cache, block_tables, context_lens,
+           query_start_loc, scale, max_query_len)
+    return out
+
+
+def launch(out, lse, q, k_cache, v_cache, k_scales, v_scales, block_tables, context_lens,
+           query_start_loc, scale, max_query_len=None, num_kv_splits=1):
+    """The kernel on its grid. out: where it writes (with num_kv_splits > 1, each slice's partial
+    output, and lse each one's log-sum-exp); k_scales, v_scales: an INT8 pool's float32 scales.
+    max_query_len: the most new tokens of a sequence (given, it saves a device-to-host read)."""
     head_dim = q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1:3]
     max_query_len = max_query_len or int(query_start_loc.diff().max())
@@ -262,20 +271,15 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, quer
     grid = (len(block_tables),
             num_kv_heads,
             triton.cdiv(max_query_len, block_m) * num_kv_splits)
-    out = torch.empty_like(q) if out is None else out
-    # flash-decoding's float32 partial outputs and log-sum-exps (below the banner)
-    partial, lse = split_buffers(out, num_kv_splits)
     paged_attention_kernel[grid](
-        partial, lse, q, k_cache, v_cache,
-        # an INT8 pool's float32 scales (below the banner)
-        row_scales(k_cache), row_scales(v_cache),
+        out, lse, q, k_cache, v_cache, k_scales, v_scales,
         block_tables, context_lens, query_start_loc, scale,
         # q's first two strides (token, head), the pool's first three (block, slot, KV head)
         *q.stride()[:2],
         block_tables.stride(0),
         *k_cache.stride()[:3],
-        partial.stride(-3), partial.stride(-2), partial.stride(0),
-        lse.stride(1), lse.stride(0),
+        out.stride(-3), out.stride(-2), out.stride(0),
+        lse.stride(-2), lse.stride(0),
         NUM_SPLITS=num_kv_splits,
         QUANTIZED=k_cache.dtype == torch.int8,
         GROUP=group,
@@ -285,13 +289,29 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, quer
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim))
-    # flash-decoding: the slices' partial outputs merged into out (below the banner)
+
+# ==============================================================================================
+# reading path ends here; below, a second reading: the launcher's refinements, INT8, the backend,
+# flash-decoding, check, bench
+# ==============================================================================================
+
+# ----------------------------------------------------------------------------------------------
+# The full launcher, and dispatch: CUDA tensors take the Triton kernel, CPU tensors the
+# reference; NANOPAGED_ATTENTION=torch or =triton forces one (=triton on CPU tensors needs
+# TRITON_INTERPRET=1, the interpreter); an INT8 pool and flash-decoding's slices served on both
+
+def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
+                           max_query_len=None, num_kv_splits=1, out=None):
+    """Launch the kernel on any pool. num_kv_splits > 1: flash-decoding, each context read in that
+    many slices at once, merged by log-sum-exp. out: where to write (NaN in tests: unwritten rows
+    show)."""
+    out = torch.empty_like(q) if out is None else out
+    partial, lse = split_buffers(out, num_kv_splits)
+    launch(partial, lse, q, k_cache, v_cache, row_scales(k_cache), row_scales(v_cache),
+           block_tables, context_lens, query_start_loc, scale, max_query_len, num_kv_splits)
     merge_splits(out, partial, lse)
     return out
 
-# ----------------------------------------------------------------------------------------------
-# Dispatch: CUDA tensors take the Triton kernel, CPU tensors the reference; NANOPAGED_ATTENTION=
-# torch or =triton forces one (=triton on CPU tensors needs TRITON_INTERPRET=1, the interpreter)
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
                     max_query_len=None, max_context_len=None, plan=None):
@@ -299,16 +319,13 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
     caller; given, they spare the kernel a device-to-host read (and choose num_kv_splits).
     plan: for the reference, make_plan's groups of this step (None: the reference makes them)."""
     args = (q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
-    if backend(q) == "torch":
-        return paged_attention_ref(*args, plan)
-    return paged_attention_triton(
-        *args, max_query_len,
-        num_kv_splits_for(q, k_cache, block_tables, context_lens, max_context_len))
-
-# ==============================================================================================
-# reading path ends here; below, a second reading: the launcher's refinements, INT8, the backend,
-# flash-decoding, check, bench
-# ==============================================================================================
+    if backend(q) == "triton":
+        return paged_attention_triton(
+            *args, max_query_len,
+            num_kv_splits_for(q, k_cache, block_tables, context_lens, max_context_len))
+    if k_cache.dtype == torch.int8:
+        return paged_attention_ref_int8(*args)
+    return paged_attention_ref(*args, plan)
 
 # ----------------------------------------------------------------------------------------------
 # The launcher's refinements: an INT8 pool's scales; flash-decoding's partial outputs, each a
@@ -362,6 +379,23 @@ def quantize(x):
 def dequantize(x, dtype):
     """(..., head_dim + 4) int8 -> (..., head_dim) in dtype: values times their row's scale."""
     return (x[..., :-4] * x[..., -4:].view(torch.float32)).to(dtype)
+
+
+def store_kvcache_int8(k, v, k_cache, v_cache, slot_mapping):
+    """store_kvcache into any pool: an INT8 one's rows quantized, each scale after its row."""
+    if k_cache.dtype == torch.int8:
+        k, v = quantize(k), quantize(v)
+    store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention_ref_int8(q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                             scale):
+    """The reference on an INT8 pool: the blocks the step reads, dequantized into a pool of their
+    own, read through the tables renumbered into it (the step's plan names the old numbers: the
+    reference makes its own)."""
+    used, tables = block_tables.unique(return_inverse=True)
+    k, v = (dequantize(cache[used], q.dtype) for cache in (k_cache, v_cache))
+    return paged_attention_ref(q, k, v, tables.int(), context_lens, query_start_loc, scale)
 
 # ----------------------------------------------------------------------------------------------
 # Which path serves a call, and how many slices flash-decoding reads each context in

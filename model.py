@@ -7,8 +7,10 @@ into the slot the block manager gave it, and attends through block tables (kerne
 whole contract between an inference engine's memory system and its model.
 
 Read it in order: the shape presets, the layers (RMSNorm, rotary embeddings, grouped-query
-attention, SwiGLU), the forward pass (which also makes the step's attention plan, once for all
-layers) where the reading path ends; then Linear's CPU path and weight loading.
+attention on a float pool, SwiGLU), the forward pass (which also makes the step's attention plan,
+once for all layers) where the reading path ends: a plain model that runs by itself. Then, below
+the banner, what load_model builds it with: Linear's CPU path, KernelAttention (kernel.py's
+paged_attention: INT8 pools, flash-decoding), and weight loading.
 """
 import dataclasses
 import functools
@@ -18,7 +20,7 @@ import os
 import torch
 import torch.nn as nn
 
-from kernel import backend, make_plan, paged_attention, store_kvcache
+from kernel import make_plan, paged_attention_plain, paged_attention_ref, store_kvcache
 
 # ----------------------------------------------------------------------------------------------
 # Shapes
@@ -74,18 +76,19 @@ def rotary(x, cos, sin):
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    # linear: the class of its linear layers, nn.Linear (load_model's, below the banner: on a
+    # CPU through a faster GEMM library)
+    def __init__(self, cfg: ModelConfig, linear=nn.Linear):
         super().__init__()
         self.head_dim = cfg.head_dim
         # Q, K and V in one matmul (vLLM's QKVParallelLinear): one wide GEMM reads x once, where
         # three narrow ones would; load_model fills it with transformers' three weights.
         # self.sizes: the heads of each, one after another
         self.sizes = [cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads]
-        # (Linear: nn.Linear, on a CPU through a faster GEMM library: below the banner)
-        self.qkv_proj = Linear(cfg.hidden_size,
+        self.qkv_proj = linear(cfg.hidden_size,
                                sum(self.sizes) * cfg.head_dim,
                                bias=False)
-        self.o_proj = Linear(cfg.num_heads * cfg.head_dim,
+        self.o_proj = linear(cfg.num_heads * cfg.head_dim,
                              cfg.hidden_size,
                              bias=False)
 
@@ -98,27 +101,32 @@ class Attention(nn.Module):
         q, k, v = qkv.split(self.sizes, dim=1)
         q = rotary(q, cos, sin)
         k = rotary(k, cos, sin)
+        o = self.attend(q, k, v, k_cache, v_cache, batch, plan)
+        return self.o_proj(o.flatten(1))   # o: (num_tokens, heads, head_dim)
+
+    def attend(self, q, k, v, k_cache, v_cache, batch, plan):
+        """Paged attention on a float pool: the Triton kernel on CUDA, else the reference with the
+        step's plan (KernelAttention, below the banner: INT8 pools, flash-decoding)."""
         # 1. every new token's K and V go into its slot, all of them before any query reads;
         # 2. each query reads its whole context from the pool, through its block table
         store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
-        o = paged_attention(q, k_cache, v_cache,
-                            batch.block_tables,
-                            batch.context_lens,
-                            batch.query_start_loc,
-                            self.head_dim ** -0.5,
-                            batch.max_query_len,
-                            batch.max_context_len,
-                            plan=plan)
-        return self.o_proj(o.flatten(1))   # o: (num_tokens, heads, head_dim)
+        args = (q, k_cache, v_cache,
+                batch.block_tables,
+                batch.context_lens,
+                batch.query_start_loc,
+                self.head_dim ** -0.5)
+        if q.is_cuda:
+            return paged_attention_plain(*args, batch.max_query_len)
+        return paged_attention_ref(*args, plan)
 
 class MLP(nn.Module):  # SwiGLU
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, linear=nn.Linear):
         super().__init__()
         # gate and up in one matmul (vLLM's MergedColumnParallelLinear), as Q, K and V above
-        self.gate_up_proj = Linear(cfg.hidden_size,
+        self.gate_up_proj = linear(cfg.hidden_size,
                                    2 * cfg.intermediate_size,
                                    bias=False)
-        self.down_proj = Linear(cfg.intermediate_size,
+        self.down_proj = linear(cfg.intermediate_size,
                                 cfg.hidden_size,
                                 bias=False)
 
@@ -127,12 +135,12 @@ class MLP(nn.Module):  # SwiGLU
         return self.down_proj(nn.functional.silu(gate) * up)
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, linear, attention):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg)
-        self.self_attn = Attention(cfg)
+        self.self_attn = attention(cfg, linear)
         self.post_attention_layernorm = RMSNorm(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, linear)
 
     def forward(self, x, cos, sin, k_cache, v_cache, batch, plan):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin,
@@ -164,16 +172,18 @@ class Batch:
     max_context_len: int = 1
 
 class Llama(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    # linear, attention: the classes of its linear layers and its attention (load_model gives
+    # its own, below the banner)
+    def __init__(self, cfg: ModelConfig, linear=nn.Linear, attention=Attention):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, linear, attention)
                                     for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg)
         # (tie_word_embeddings: lm_head's weight is embed_tokens' own Parameter; load_model ties
         # them, once the loaded tensors are in)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @torch.inference_mode()
     def forward(self, batch: Batch, kv_cache: torch.Tensor):
@@ -196,7 +206,7 @@ class Llama(nn.Module):
         # once a layer. The Triton kernel reads the tables itself and needs none. (Its last two
         # arguments: the block size, the query heads per K/V head.)
         plan = None
-        if backend(x) == "torch":
+        if not x.is_cuda:
             plan = make_plan(batch.block_tables,
                              batch.context_lens,
                              batch.query_start_loc,
@@ -210,8 +220,10 @@ class Llama(nn.Module):
         return self.lm_head(self.norm(x[batch.logits_indices])).float(), x.isfinite().all(-1)
 
 # ==============================================================================================
-# reading path ends here; below, Linear's CPU path, then weight loading from transformers' tensors
+# reading path ends here; below, Linear's CPU path, KernelAttention, then weight loading
 # ==============================================================================================
+
+from kernel import paged_attention, store_kvcache_int8   # noqa: E402
 
 class Linear(nn.Linear):
     """nn.Linear, but on a CPU in float32 not through MKL's sgemm, which nn.Linear takes. All the
@@ -240,6 +252,21 @@ class Linear(nn.Linear):
                 x, self.weight, self.bias, "none", [], "")
         rows = torch.cat([x, x]) if len(x) == 1 else x
         return (self.weight @ rows.T)[:, :len(x)].T.contiguous()
+
+class KernelAttention(Attention):
+    """Attention through kernel.paged_attention: NANOPAGED_ATTENTION may choose the path, an INT8
+    pool (kv_cache_dtype="int8") and flash-decoding's slices on the GPU are served too."""
+
+    def attend(self, q, k, v, k_cache, v_cache, batch, plan):
+        store_kvcache_int8(k, v, k_cache, v_cache, batch.slot_mapping)
+        return paged_attention(q, k_cache, v_cache,
+                               batch.block_tables,
+                               batch.context_lens,
+                               batch.query_start_loc,
+                               self.head_dim ** -0.5,
+                               batch.max_query_len,
+                               batch.max_context_len,
+                               plan=plan)
 
 # transformers' names for the ModelConfig fields it names differently
 HF_NAMES = dict(num_layers="num_hidden_layers",
@@ -329,12 +356,12 @@ FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj",
                                 "self_attn.v_proj"),
          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 
-# engines built alike share one copy: inference only reads it
+# engines built alike share the weights: inference only reads them
 @functools.lru_cache(maxsize=2)
-def load_model(name=None, device="cpu", dtype=torch.float32, seed=0):
-    """(our Llama on device, tokenizer or None, eos token ids) for a name load_hf accepts."""
+def load_weights(name=None, seed=0):
+    """(our ModelConfig, our state dict, tokenizer or None, eos token ids) for a name load_hf
+    accepts."""
     hf, tokenizer = load_hf(name, seed)
-    model = Llama(config_from_hf(hf.config))
     state = {k.removeprefix("model."): v for k, v in hf.state_dict().items()}
     # each fused weight: its parts' weights, one after another, in their place
     for i, layer in enumerate(hf.model.layers):
@@ -348,12 +375,22 @@ def load_model(name=None, device="cpu", dtype=torch.float32, seed=0):
             # transformers' linears become views of it: the weights stay in memory once
             for part, view in zip(parts, weight.split([len(w) for w in weights])):
                 layer.get_submodule(part).weight.data = view
-    # transformers' own tensors: on a CPU, no copy
+    eos = getattr(hf.generation_config, "eos_token_id", None)
+    eos_ids = frozenset() if eos is None else frozenset(eos if isinstance(eos, list) else [eos])
+    return config_from_hf(hf.config), state, tokenizer, eos_ids
+
+
+def load_model(name=None, device="cpu", dtype=torch.float32, seed=0):
+    """(our Llama on device, tokenizer or None, eos token ids) for a name load_hf accepts: a model
+    of its own (a test may patch it), over the weights that engines built alike share."""
+    config, state, tokenizer, eos_ids = load_weights(name, seed)
+    # no weights made: the loaded ones take their place
+    with torch.device("meta"):
+        model = Llama(config, Linear, KernelAttention)
     model.load_state_dict(state, assign=True)
     # tie_word_embeddings: one Parameter for the embedding and the output matrix (here, not in
     # Llama: assign gives each name its own Parameter, so a tie made before would not survive)
-    if model.config.tie_word_embeddings:
+    if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    eos = getattr(hf.generation_config, "eos_token_id", None)
-    eos_ids = frozenset() if eos is None else frozenset(eos if isinstance(eos, list) else [eos])
+    # transformers' own tensors: on a CPU in float32, no copy
     return model.to(device=device, dtype=dtype).eval(), tokenizer, eos_ids

@@ -10,22 +10,26 @@ table mapping its logical blocks to physical ones. That one indirection buys:
   - copy-on-write: a shared block is copied only when somebody must write into it;
   - preemption: when blocks run out, the last-ranked request gives its blocks back, swapped to
     the host pool or freed to be recomputed later;
-  - a memory hierarchy: device, host memory, disk, one block shape; a cached block evicted from
-    one tier is written down to the next, and a prompt that finds it there loads it back up.
+  - a memory hierarchy: device, host memory, disk, one block shape; a prompt that finds its
+    prefix in a lower tier loads it back up (and, below the banner, a cached block evicted from
+    one tier is written down to the next).
 
-Read it from the top down to the banner that ends the reading path: the engine in the order
-one request travels, every mechanism of its memory system in its plain form.
-  1. SamplingParams, BeamSearchParams, Sequence, Request    what a request is
-  2. Block, Pool, BlockManager    the tiers: allocate with prefix-cache hits in any tier, copy-on-
-                                  write, fork, free, eviction down the tiers, swap
-  3. ScheduledBatch, Scheduler    which tokens run this step; preemption when blocks run out
-  4. sample, LLM                  the engine: block copies, tensors for the model, sampling, step
-After it, for a second reading: 5. the knobs (EngineArgs) and the API guards, 6. invariant
-checks, 7. events and metrics, 8. the refinements of the block manager and the scheduler (exact
-prefixes, the write-down rule, why a prompt missed the cache, recomputed samples, the cost
-rule), 9. the tiers' machinery
+Read it from the top down to the banner that ends the reading path: a plain engine that runs by
+itself, in the order one request travels, every mechanism of its memory system in its plain form
+(it calls nothing defined below the banner).
+  1. Sampling, Sequence, Request    what a request is
+  2. Block, Pool, KVCacheManager    the tiers: allocate with prefix-cache hits in any tier, copy-
+                                    on-write, fork, free, eviction, swap
+  3. ScheduledBatch, Scheduler      which tokens run this step; preemption when blocks run out
+  4. sample, EngineArgs, Engine     the engine: block copies, tensors for the model, sampling, step
+After it, for a second reading, each refinement as a subclass that overrides one plain choice or
+a hook the plain code defines (doing the plain thing, or nothing): 5. LLM (the engine with every
+refinement, its model loaded by name), SamplingParams and BeamSearchParams, and the API guards,
+6. invariant checks, 7. events and metrics, 8. BlockManager (the event log, the write-down rule,
+why a prompt missed the cache, recomputed samples' leader, the cost rule), 9. the tiers' machinery
 (INT8 tiers, the disk file, the block copier, the copy engine), 10. failure recovery, 11. beam
-search rounds, 12. priorities and aging, 13. the live view, 14. the command line and its demos.
+search rounds, 12. priorities and aging (PriorityScheduler), 13. the live view, 14. the command
+line and its demos.
 
     python nanopaged.py --live           watch the default demo: the pool, every block table
     python nanopaged.py --demo fork --trace    a plain-text snapshot per step, for handouts
@@ -59,15 +63,14 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
-from kernel import dequantize, quantize   # (INT8 tiers, section 9)
-# transformers is imported only when a model is loaded
-from model import Batch, load_model
+from model import Batch
 
 # ----------------------------------------------------------------------------------------------
 # 1. What a request is
 
 @dataclass(frozen=True)
-class SamplingParams:
+class Sampling:
+    """How a request samples. (SamplingParams, section 5: the same, each field checked.)"""
     temperature: float = 1.0   # 0: greedy (argmax)
     # keep the smallest set of tokens whose probability reaches top_p
     top_p: float = 1.0
@@ -78,27 +81,6 @@ class SamplingParams:
     ignore_eos: bool = False
     # None: derived from the engine's seed and the request id
     seed: int | None = None
-
-    def __post_init__(self):
-        check_fields(self)   # each a ValueError naming it (section 5)
-
-
-@dataclass(frozen=True)
-class BeamSearchParams:
-    """LLM.beam_search: the beam_width likeliest continuations (section 11)."""
-    beam_width: int
-    max_tokens: int = 16
-    # score = cum_logprob / length ** length_penalty
-    length_penalty: float = 1.0
-    ignore_eos: bool = False
-
-    def __post_init__(self):
-        check_fields(self)   # each a ValueError naming it (section 5)
-
-    @property
-    def n(self):
-        """The most sequences the request holds at once: what the pool is sized by."""
-        return self.beam_width
 
 
 class Sequence:
@@ -125,6 +107,8 @@ class Sequence:
         self.block_hashes = []
         # the leader computing the blocks they share (section 8)
         self.waits_for = None
+        # write-through (section 9): its blocks looked at, the last one's id
+        self.written_through = (0, None)
         # the tokens before it count as prefill (a metric's)
         self.prefill_until = 0
         # "stop" (eos), "length" (max_tokens), "pruned" (a beam not chosen)
@@ -194,7 +178,8 @@ class Request:
 
     @property
     def is_beam_search(self):
-        return isinstance(self.params, BeamSearchParams)
+        # (BeamSearchParams, section 11)
+        return not isinstance(self.params, Sampling)
 
     @property
     def past_first_token(self):
@@ -261,34 +246,26 @@ def distinct_blocks(seqs):
     return {b for s in seqs for b in s.block_table}
 
 
-class BlockManager:
+class KVCacheManager:
     """Hands out the blocks of three tiers, fastest first: the device pool, which attention reads;
     the host pool (swapped-out requests, cached blocks evicted from the device); the disk pool
     (cached blocks evicted from the host). Whoever writes K/V calls cache_full_blocks(seq) after;
     every K/V copy decided here is queued in `copies`, for the engine to make."""
 
     def __init__(self, num_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=True,
-                 events=None, num_disk_blocks=0, cost=None):
-        check_args(num_blocks=num_blocks, block_size=block_size,
-                   num_cpu_blocks=num_cpu_blocks, num_disk_blocks=num_disk_blocks)
+                 num_disk_blocks=0):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        # what happened, for the view and the trace
-        self.events = events or EventLog()
-        # which tiers are worth loading from (the cost rule, section 8); None: all of them
-        self.cost = cost
         self.tiers = [Pool("device", num_blocks), Pool("host", num_cpu_blocks),
                       Pool("disk", num_disk_blocks)]
         self.device, self.host, self.disk = self.tiers
         # K/V copies to make before the model runs, in decision order (a later one may
         # overwrite what an earlier one reads): BlockCopy records
         self.copies = deque()
-        self.prefix_ids = itertools.count()   # (section 8)
+        # exact prefixes: a number for each, never reused (_name_prefix)
+        self.prefix_ids = itertools.count()
         self.clock = itertools.count(1)   # ticks for Block.cached_at
-        # the prefixes lost to the cache lately, for why a prompt missed it: (hash, tokens) ->
-        # from where, when, for whom; ARC's ghost list (section 8)
-        self.evicted = OrderedDict()
         # metrics, counted as they happen, under the names stats() reports (vLLM's where vLLM
         # has one); a name not counted yet reads 0:
         #   prefix_cache_queries     tokens looked up
@@ -341,7 +318,7 @@ class BlockManager:
         """[(tier, block)] holding seq's prefix, found by one walk along its hash chain, each
         where it is (below the device: if loading it beats recomputing, section 8)."""
         hits = []
-        tiers = [t for t in self.tiers if worth_loading(self, t)]
+        tiers = [t for t in self.tiers if self.worth_loading(t)]
         # the last token is always computed (its logits are needed): its block cannot hit.
         # With prefix caching off nothing is registered: the first look-up misses.
         for i in range((len(seq) - 1) // self.block_size):
@@ -360,6 +337,11 @@ class BlockManager:
             hits.append((held or same)[0])
         return hits
 
+    def worth_loading(self, tier):
+        """Is a block found in tier worth loading, rather than recomputing? Here every tier is;
+        BlockManager (section 8) weighs the copy against the recompute."""
+        return True
+
     # -- taking and returning single blocks, in any tier
     @property
     def num_free_blocks(self):
@@ -375,23 +357,16 @@ class BlockManager:
     # lab eviction: below, which cached block is evicted
     def _evict(self, pool, seq):
         """Take pool's cached block freed longest ago out of the prefix cache, emptied: its K/V
-        are written down to a tier below (_write_down), or lost. Which tier: section 8."""
+        are lost (here; BlockManager writes them down a tier, section 8)."""
         block_id, _ = pool.cached_block_ids.popitem(last=False)
-        write_down_or_lose(self, pool, pool.blocks[block_id], seq)   # (section 8)
+        self.write_down_or_lose(pool, pool.blocks[block_id], seq)
         self._unregister(pool, pool.blocks[block_id])
         pool.empty_block_ids.append(block_id)
 
-    def _write_down(self, pool, block, below, kind, seq=None):
-        """A copy of block's K/V in a block of the tier below, cached there (for seq)."""
-        dst = self._get_new_block(below, seq)
-        self.copies.append(BlockCopy(pool, block.block_id,
-                                     below, dst.block_id))
-        # registered after its copy is queued (section 10)
-        self._register(below, dst, like=block)
-        self._cache(below, dst)
-        self.counts["num_offloaded_blocks"] += 1
-        self.events.record(kind, [], [block.block_id], pool,
-                           [dst.block_id], below)
+    def write_down_or_lose(self, pool, block, seq):
+        """An evicted block's K/V (for seq): lost to the prefix cache."""
+        self.counts["num_evictions"] += 1
+        self.record("evict", [], [block.block_id], pool)
 
     def _allocate_block(self, seq):   # a new device block for seq
         block = self._get_new_block(self.device, seq)
@@ -424,15 +399,19 @@ class BlockManager:
         block_id = self._allocate_block(seq)
         self.copies.append(BlockCopy(pool, block.block_id,
                                      self.device, block_id))
-        self.events.record("load", [seq], [block.block_id], pool,
-                           [block_id], self.device,
-                           why=load_figures(self, pool))
+        self.record("load", [seq], [block.block_id], pool,
+                    [block_id], self.device,
+                    why=self.load_figures(pool))
         self._register(self.device, self.device.blocks[block_id], like=block)
         self._unregister(pool, block)
         self._release(pool, block)   # empty: it no longer holds a prefix
         self.counts["num_loaded_blocks"] += 1
         self.counts[f"{pool.name}_prefix_cache_hits"] += self.block_size
         return block_id
+
+    def load_figures(self, tier):
+        """For the trace: why a load from tier beats a recompute (BlockManager's cost rule)."""
+        return ""
 
     # -- whole sequences
     def _num_blocks_for(self, num_tokens):
@@ -450,11 +429,11 @@ class BlockManager:
 
     def can_allocate(self, seq, watermark=0, siblings=()):
         """Would allocating seq leave `watermark` blocks free? A hit on a held device block takes
-        no free block; any other hit takes one. siblings: a recomputed request's (section 8)."""
+        no free block; any other hit takes one. siblings: a recomputed request's others."""
         held = [b for _, b in self._cache_hits(seq)
                 if b.ref_count > 0]
         need = (self._num_blocks_for(len(seq)) - len(held)
-                + blocks_for_siblings(self, seq, siblings))
+                + self.blocks_for_siblings(seq, siblings))
         return self.num_free_blocks - need >= watermark
 
     def allocate(self, seq):
@@ -475,8 +454,8 @@ class BlockManager:
         # a hit ends before the last token
         seq.num_cached_tokens = seq.num_computed_tokens
         if hits:
-            self.events.record("prefix hit", [seq], shared,
-                               num_tokens=seq.num_cached_tokens)
+            self.record("prefix hit", [seq], shared,
+                        num_tokens=seq.num_cached_tokens)
         if self.enable_prefix_caching:
             self.counts["prefix_cache_queries"] += len(seq)
             self.counts["prefix_cache_hits"] += seq.num_cached_tokens
@@ -509,8 +488,8 @@ class BlockManager:
             self._release(self.device, src)
             seq.block_table[-1] = dst
             self.counts["num_cow_copies"] += 1
-            self.events.record("copy", [seq], [src.block_id],
-                               to_ids=[dst])
+            self.record("copy", [seq], [src.block_id],
+                        to_ids=[dst])
             return src.block_id, dst
         return None
 
@@ -523,8 +502,17 @@ class BlockManager:
             self._hold(self.device, self.device.blocks[block_id])
         # its hash chain: computed as asked for, _block_hash
         self._set_table(child, shared)
-        self.events.record("fork", [child], shared,
-                           parent=parent.seq_id)
+        self.record("fork", [child], shared,
+                    parent=parent.seq_id)
+
+    def blocks_for_siblings(self, leader, siblings):
+        """What allocating a recomputed request's other sequences takes: each its own blocks
+        (BlockManager: they share the leader's, section 8)."""
+        return sum(self._num_blocks_for(len(seq)) for seq in siblings)
+
+    def allocate_sibling(self, leader, seq):
+        """A recomputed request's other sequence, admitted with leader: allocated on its own."""
+        self.allocate(seq)
 
     # lab eviction: below, the order free releases blocks in
     def free(self, seq, coming_back=False):
@@ -559,8 +547,17 @@ class BlockManager:
             block.hash = self._block_hash(seq, i)
             block.token_ids = self._tokens(seq, i)
             parent = self.device.blocks[seq.block_table[i - 1]].prefix_id if i > 0 else None
-            name_prefix(self, block, parent)   # (section 8)
+            self._name_prefix(block, parent)
             self._register(self.device, block)
+
+    def _name_prefix(self, block, parent):
+        """A block being registered (its hash and tokens set), after the prefix whose prefix_id is
+        parent (None: the first block): the prefix id of a copy registered in any tier already, else
+        a new one (section 8: exact prefixes)."""
+        block.parent_prefix_id = parent
+        twins = self._lookup(self.tiers, block.hash, block.token_ids, block.parent_prefix_id)
+        block.prefix_id = twins[0][1].prefix_id if twins else next(self.prefix_ids)
+        block.hits = 0
 
     def _register(self, pool, block, like=None):
         """Enter block in pool's part of the prefix cache, under its hash; like: the block whose
@@ -623,9 +620,9 @@ class BlockManager:
                 if src.blocks[block_id].hash is not None:
                     # its copy is found there too
                     self._register(dst, dst.blocks[new], like=src.blocks[block_id])
-        self.events.record(kind, seqs,
-                           mapping.keys(), src,
-                           mapping.values(), dst)
+        self.record(kind, seqs,
+                    mapping.keys(), src,
+                    mapping.values(), dst)
         for seq in seqs:
             for i in reversed(range(len(seq.block_table))):
                 block_id = seq.block_table[i]
@@ -636,12 +633,26 @@ class BlockManager:
         self.counts[counter] += len(mapping)
         return list(mapping.items())
 
-    # -- what the metrics read, and the rules, checked
+    # -- what the metrics read; what happened
     def num_used_blocks(self):
         return self.num_blocks - self.num_free_blocks
 
-    def check_invariants(self):
-        check_block_manager(self)   # (section 6)
+    def record(self, kind, *args, **details):
+        """Something happened (the arguments: EventLog.record's). Here nobody listens;
+        BlockManager logs it (section 7) for the trace and the view."""
+
+    def take_events(self):
+        """What happened since the last call (BlockManager's log; here nothing)."""
+        return []
+
+    def explain_prompt(self, request):
+        """Before a request's first allocate: where its prompt tokens will come from (here
+        nothing; BlockManager, section 8, tells the tier or why each is computed)."""
+
+    def cheaper_mode(self, request):
+        """(mode, why) for preemption_mode="auto": swap, the request's blocks to the host and
+        back (BlockManager weighs it against a recompute: the cost rule, section 8)."""
+        return "swap", ""
 
 # ----------------------------------------------------------------------------------------------
 # 3. The scheduler: which tokens run this step
@@ -689,8 +700,6 @@ class Scheduler:
 
     def __init__(self, block_manager, args, eos_token_ids):
         self.block_manager = block_manager
-        # one log for the pool and the schedule
-        self.events = block_manager.events
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_num_seqs = args.max_num_seqs
         self.max_num_batched_tokens = args.max_num_batched_tokens
@@ -785,7 +794,7 @@ class Scheduler:
             if not bm.can_allocate(leader, watermark, others):
                 # it fits, but would leave too few blocks free
                 if bm.can_allocate(leader, 0, others):
-                    self.events.record("watermark", [leader], num_blocks=watermark)
+                    bm.record("watermark", [leader], num_blocks=watermark)
                 break
             self.waiting.popleft()
             self._admit(request, batch)
@@ -801,13 +810,12 @@ class Scheduler:
 
     def _admit(self, request, batch):
         """Allocate a waiting request's blocks, all its sequences at once: its tokens are prefill.
-        A recomputed n>1 or beam request's samples fork from the first again (section 8)."""
+        A recomputed n>1 request's other samples come with the first, the leader."""
         leader, *others = request.seqs
-        # first, where each prompt token's K/V come from, or why they are computed (section 8)
-        explain_prompt(self.block_manager, request)
+        self.block_manager.explain_prompt(request)
         self.block_manager.allocate(leader)
         for seq in others:
-            fork_from_leader(self.block_manager, leader, seq)
+            self.block_manager.allocate_sibling(leader, seq)
         for seq in request.seqs:
             seq.prefill_until = len(seq)
         self._start_running(request, batch)
@@ -821,8 +829,8 @@ class Scheduler:
             return "recompute", "no room for its blocks in the host pool"
         if self.preemption_mode == "swap":
             return "swap", ""
-        # auto: the cost rule (section 8)
-        return bm.cost.cheaper_mode(bm, request)
+        # auto: the cost rule's (section 8)
+        return bm.cheaper_mode(request)
 
     # lab preemption: below, swap or recompute
     def preempt(self, request, batch, mode=None):
@@ -831,10 +839,10 @@ class Scheduler:
         why = ""
         if mode is None:
             mode, why = self._choose_mode(request)
-        self.events.record("preempt", request.seqs,
-                           sorted(distinct_blocks(request.seqs)),
-                           mode=mode,
-                           why=f" ({why})" if why else "")
+        self.block_manager.record("preempt", request.seqs,
+                                  sorted(distinct_blocks(request.seqs)),
+                                  mode=mode,
+                                  why=f" ({why})" if why else "")
         self.running.remove(request)
         batch.remove(request)
         if mode == "swap":
@@ -842,11 +850,11 @@ class Scheduler:
             request.status = RequestStatus.SWAPPED
             self.enqueue(self.swapped, request)
         else:
-            self._recompute(request)
+            self.recompute(request)
         self.num_preemptions += 1
         return mode
 
-    def _recompute(self, request):
+    def recompute(self, request):
         for seq in request.seqs:
             # it will look for its blocks again
             self.block_manager.free(seq, coming_back=True)
@@ -893,8 +901,8 @@ class Scheduler:
     def finish(self, request, seq, reason):
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()
-        self.events.record("finish", [seq], seq.block_table,
-                           reason=reason)
+        self.block_manager.record("finish", [seq], seq.block_table,
+                                  reason=reason)
         self.block_manager.free(seq)
         request.seqs.remove(seq)
         request.finished.append(seq)
@@ -949,54 +957,66 @@ def as_tensor(values, dtype, device):
     return torch.frombuffer(buffer, dtype=torch.long)[:-1].to(device, dtype)
 
 
-class LLM:
+@dataclass(frozen=True)
+class EngineArgs:
+    """Every knob of the engine, vLLM's names (LLM checks each: section 5)."""
+    # None/"smollm2": the default model; a local directory; "random:<preset>" (model.PRESETS)
+    model: str | None = None
+    device: str | None = None   # None: cuda if available, else cpu
+    # None: float32 on a CPU, bfloat16 on CUDA
+    dtype: str | None = None
+    block_size: int = 16        # tokens a block holds
+    # the device pool; None: from a memory budget (Engine._num_device_blocks)
+    num_blocks: int | None = None
+    # the host pool: swapped requests, cached blocks evicted
+    num_cpu_blocks: int = 0
+    # the disk pool: cached blocks evicted from the host (section 9)
+    num_disk_blocks: int = 0
+    # the disk pool's file; None: a temporary one
+    disk_path: str | None = None
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256     # sequences running at once, at most
+    max_num_batched_tokens: int = 2048   # tokens a step computes, at most
+    # a request's tokens, at most; None: the model's
+    max_model_len: int | None = None
+    # "recompute", "swap" or "auto" (the cost rule, section 8)
+    preemption_mode: str = "auto"
+    seed: int = 0
+    # "auto" (the model's dtype) or "int8" (section 9)
+    kv_cache_dtype: str = "auto"
+    # the host's and disk's: "auto" (as the device's)
+    offload_kv_cache_dtype: str = "auto"
+    # copies between tiers in the background (section 9)
+    async_copies: bool = True
+    # emulated links: {"host": GB/s, "disk": GB/s}
+    tier_gbps: dict | None = None
+    # "fcfs" or "priority" (section 12)
+    scheduling_policy: str = "fcfs"
+    # a priority level better every K steps waited
+    priority_aging_steps: int = 0
+    # blocks admitting a prompt leaves free for running decodes; None: 1% of the pool
+    watermark_blocks: int | None = None
+
+
+class Engine:
     """The engine: owns the model, the KV cache pools, the block manager and the scheduler.
     generate() adds requests and runs step() (one batch through the model) until they finish.
-    Its knobs are EngineArgs' (section 5): LLM("random:tiny", block_size=4, num_blocks=24)."""
+    Engine(model, args): a Llama (model.py) on its device, its knobs (EngineArgs). LLM, section 5,
+    is the engine with every refinement, and loads its model: LLM("random:tiny", block_size=4)."""
 
-    def __init__(self, model=None, **kwargs):
-        # every knob is checked (a ValueError) before the model loads, which takes seconds
-        args = EngineArgs(model, **kwargs)
-        default = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(args.device or default)
-        cuda = self.device.type == "cuda"
-        # dtype: a name (FLOATS, section 5), torch's dtype, or None: the device's usual one
-        self.dtype = (FLOATS.get(args.dtype, args.dtype)
-                      or (torch.bfloat16 if cuda else torch.float32))
-        self.model, self.tokenizer, eos_token_ids = load_model(args.model, self.device,
-                                                               self.dtype, args.seed)
-        cfg = self.model.config
-        self.max_model_len = args.max_model_len or cfg.max_position_embeddings
-        # a block holds K and V of block_size tokens in every layer: one block id serves all
-        # layers (an INT8 cache, kv_cache_dtype="int8", holds a scale too: section 9)
-        kv_dtype = torch.int8 if args.kv_cache_dtype == "int8" else self.dtype
-        block = (2, cfg.num_layers, args.block_size, cfg.num_kv_heads,
-                 kv_row(cfg.head_dim, kv_dtype))
-        # the pool by default: on CUDA 80% of what the weights leave free (vLLM's
-        # gpu_memory_utilization), on a CPU 1 GiB
-        num_blocks = args.num_blocks
-        if num_blocks is None:
-            budget = 0.8 * torch.cuda.mem_get_info(self.device)[0] if cuda else 2**30
-            num_blocks = max(1, int(budget // (math.prod(block) * kv_dtype.itemsize)))
-        # the pools against this machine's memory, max_model_len against the model's (section 5)
-        check_loaded_model(self, args, num_blocks, block, kv_dtype)
-        # (2, num_layers, num_blocks, block_size, kv_heads, head_dim): K and V of every block
-        self.kv_cache = torch.zeros(block[:2] + (num_blocks,) + block[2:],
-                                    dtype=kv_dtype,
-                                    device=self.device)
-        # the tiers below (host memory, a disk file), the block copier between them, the copy
-        # engine that makes copies in the background (async_copies, the default) and the cost
-        # rule: section 9 builds them
-        self.kv_caches, self.copier, self.copy_engine, cost = build_tiers(self, args, block)
-        # callables that get every step's StepReport: the cost rule, the view
-        self.on_step = [cost.observe]
-        self.events = EventLog()   # what happened, as records (section 7)
-        self.block_manager = BlockManager(num_blocks, args.block_size, args.num_cpu_blocks,
-                                          args.enable_prefix_caching, self.events,
-                                          args.num_disk_blocks, cost)
-        # scheduling_policy="priority": the lines ordered by each request's priority (section 12)
-        policy = PriorityScheduler if args.scheduling_policy == "priority" else Scheduler
-        self.scheduler = policy(self.block_manager, args, eos_token_ids)
+    def __init__(self, model, args, tokenizer=None, eos_token_ids=()):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = model.embed_tokens.weight.device
+        self.dtype = model.embed_tokens.weight.dtype
+        self.max_model_len = args.max_model_len or model.config.max_position_embeddings
+        # the pools' K/V by tier: the device's, which attention reads, the host's
+        self.kv_caches = self._allocate_kv_caches(args)
+        self.kv_cache = self.kv_caches["device"]
+        # callables that get every step's StepReport
+        self.on_step = []
+        self.block_manager = self._make_block_manager(args)
+        self.scheduler = self._make_scheduler(args, eos_token_ids)
         self.seed = args.seed
         self.request_ids = itertools.count()
         # request_id -> Request, until its output is returned
@@ -1005,62 +1025,83 @@ class LLM:
         self.num_prefill_tokens_computed = 0
         self.num_generated_tokens = 0
 
+    # -- the parts
+    def _block_shape(self, args):
+        """(shape, dtype) of a block: K and V of block_size tokens in every layer, one block id for
+        all layers."""
+        cfg = self.model.config
+        return (2, cfg.num_layers, args.block_size, cfg.num_kv_heads, cfg.head_dim), self.dtype
+
+    def _num_device_blocks(self, args, block_bytes):
+        """The device pool: num_blocks, or by default on CUDA 80% of what the weights leave free
+        (vLLM's gpu_memory_utilization), on a CPU 1 GiB."""
+        if args.num_blocks is not None:
+            return args.num_blocks
+        cuda = self.device.type == "cuda"
+        budget = 0.8 * torch.cuda.mem_get_info(self.device)[0] if cuda else 2**30
+        return max(1, int(budget // block_bytes))
+
+    def _allocate_kv_caches(self, args):
+        """{tier: K/V of its blocks}, each (2, num_layers, num_blocks, block_size, kv_heads,
+        head_dim): the device pool, and the host pool (swapped requests)."""
+        block, dtype = self._block_shape(args)
+        num_blocks = self._num_device_blocks(args, math.prod(block) * dtype.itemsize)
+        device = torch.zeros(block[:2] + (num_blocks,) + block[2:], dtype=dtype, device=self.device)
+        return {"device": device, **self._lower_pools(args, block, dtype)}
+
+    def _lower_pools(self, args, block, dtype):
+        """The pools below the device: here the host's, of the device's blocks."""
+        host = torch.zeros(block[:2] + (args.num_cpu_blocks,) + block[2:], dtype=dtype)
+        return {"host": host}
+
+    def _make_block_manager(self, args):
+        return KVCacheManager(self.kv_cache.shape[2], args.block_size, args.num_cpu_blocks,
+                              args.enable_prefix_caching)
+
+    def _make_scheduler(self, args, eos_token_ids):
+        return Scheduler(self.block_manager, args, eos_token_ids)
+
     # -- requests in
-    def add_requests(self, prompts, params=None, kind=SamplingParams, priority=None):
-        """Validate all, then queue all: a bad prompt leaves the engine as it was. Returns ids.
-        priority: None, or an int per prompt (scheduling_policy="priority": lower goes first)."""
+    def add_requests(self, prompts, params=None, kind=Sampling, priority=None):
+        """Queue prompts (see generate): their request ids. params None: kind's defaults."""
+        if not isinstance(params, (list, tuple)):
+            params = [params or kind()] * len(prompts)
+        token_ids = [self.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str)
+                     else list(p)
+                     for p in prompts]
+        return self._queue(zip(token_ids, params, priority or [0] * len(prompts)))
+
+    def _queue(self, requests):
+        """requests: (token_ids, params, priority) each, queued as waiting Requests: their ids."""
         request_ids = []
-        # every prompt tokenized and checked (ValueError) before any is queued (section 5)
-        checked = checked_requests(self, prompts, params, kind, priority)
-        with Interrupts():   # Ctrl-C waits until all are queued (section 10)
-            for token_ids, p, priority in checked:
-                request_id = next(self.request_ids)
-                seed = getattr(p, "seed", None)   # (beam search: none)
-                if seed is None:
-                    seed = (self.seed * 1_000_003 + request_id) % 2**63
-                request = Request(request_id, token_ids, p, seed, priority,
-                                  next(self.scheduler.seq_ids))
-                self.requests[request_id] = request
-                self.scheduler.enqueue(self.scheduler.waiting, request)
-                request_ids.append(request_id)
+        for token_ids, p, priority in requests:
+            request_id = next(self.request_ids)
+            seed = p.seed
+            if seed is None:
+                seed = (self.seed * 1_000_003 + request_id) % 2**63
+            request = Request(request_id, token_ids, p, seed, priority,
+                              next(self.scheduler.seq_ids))
+            self.requests[request_id] = request
+            self.scheduler.enqueue(self.scheduler.waiting, request)
+            request_ids.append(request_id)
         return request_ids
 
-    def generate(self, prompts, params=None, live=False, priority=None):
-        """prompts: a string, a list of strings or of token-id lists; params: one for all, or one
-        per prompt; live: watch it in the terminal (View); priority: see add_requests. Returns a
-        RequestOutput per prompt."""
-        return self._run(prompts, params, SamplingParams, live, priority)
+    def generate(self, prompts, params=None, priority=None):
+        """prompts: a list of strings or of token-id lists; params: one for all (None:
+        Sampling's defaults), or one per prompt; priority: None, or an int per prompt (lower goes
+        first, with a PriorityScheduler, section 12). Returns a RequestOutput per prompt."""
+        return self._run_to_end(self.add_requests(prompts, params, Sampling, priority))
 
-    def beam_search(self, prompts, params, live=False, priority=None):
-        """The beam_width likeliest continuations of each prompt: a BeamSearchOutput per prompt."""
-        return self._run(prompts, params, BeamSearchParams, live, priority)
-
-    def _run(self, prompts, params, kind, live, priority):
-        """Queue, step, return the outputs; a call that raises (Ctrl-C too) drops its requests."""
-        check_args(live=live)   # a bool, or a ValueError (section 5)
-        # filled in place: the drop below sees what was queued when it runs
-        request_ids = []
-        # if anything below raises, this call's requests are dropped with their blocks (section 10)
-        with recovery(lambda: abort(self, request_ids)):
-            with Interrupts():   # queued and known here, or not queued at all
-                request_ids += self.add_requests(prompts, params, kind, priority)
-            requests = [self.requests[r] for r in request_ids]
-            # live: the view (section 13)
-            with View(self) if live else contextlib.nullcontext():
-                while any(r.status is not RequestStatus.FINISHED for r in requests):
-                    self.step()
-            outputs = []
-            for request_id in request_ids:
-                outputs.append(self.output(request_id))
-            return outputs
+    def _run_to_end(self, request_ids):
+        """Step until the requests finish: their outputs, taken out."""
+        requests = [self.requests[r] for r in request_ids]
+        while any(r.status is not RequestStatus.FINISHED for r in requests):
+            self.step()
+        return [self.output(request_id) for request_id in request_ids]
 
     def output(self, request_id):
-        """A finished request's RequestOutput (BeamSearchOutput for beam search), taken out."""
-        request = self.requests.get(request_id) if is_int(request_id) else None
-        require(request is not None and request.status is RequestStatus.FINISHED,
-                f"request {request_id} is unknown, unfinished or already returned")
-        # beam search: the best hypotheses, by vLLM's score (section 11)
-        out = beam_output(self, request) if request.is_beam_search else self._output(request)
+        """A finished request's RequestOutput, taken out."""
+        out = self._output(self.requests[request_id])
         # only once its output is made: an error there loses nothing
         del self.requests[request_id]
         return out
@@ -1075,7 +1116,12 @@ class LLM:
                    / max(1, s.num_output_tokens - 1)
                    for s in seqs) / len(seqs)
         return RequestOutput(request.request_id, request.prompt_token_ids, outs, ttft, tpot,
-                             *breakdown(request.sources))
+                             *self._prompt_record(request))
+
+    def _prompt_record(self, request):
+        """(num_cached_tokens, cached_by_tier, computed_by_reason): the prompt tokens found at
+        the first sample's last allocate (LLM's say where, and why the others were computed)."""
+        return request.finished[0].num_cached_tokens, {}, {}
 
     def _detokenize(self, token_ids):
         """Their text ("" without a tokenizer: random weights)."""
@@ -1083,28 +1129,24 @@ class LLM:
 
     # -- one step
     def step(self):
-        """One engine step (the story is in _step); one that raises is undone first (section 10)."""
-        require(self.scheduler.has_unfinished(), "step(): nothing to run; add_requests() first")
-        self.events.step = self.num_steps + 1
-        # if it raises, what it changed is put back first
-        with recovery(Undo(self).restore):
-            batch = self._step()
-            self.num_steps += 1
-            report = StepReport(self.num_steps, batch, self.events.take(), self.stats())
+        """One engine step (the story is in _step); whoever watches (on_step) gets its report."""
+        report = self._step_report()
         for callback in self.on_step:
             callback(report)
         return report
+
+    def _step_report(self):
+        batch = self._step()
+        self.num_steps += 1
+        return StepReport(self.num_steps, batch, self.block_manager.take_events(), self.stats())
 
     def _step(self):
         batch = self.scheduler.schedule()
         assert batch.entries, "the scheduler found nothing to run: a request outgrew its bound"
         # 1. the block copies scheduling queued (copy-on-write, swaps, tiers), before any K/V
-        #    write. By default (async_copies) the copy engine makes them in the background, and a
-        #    request whose blocks are still on their way sits the step out (section 9)
-        if self.copy_engine is None:
-            self.copy_blocks()
-        else:
-            batch = self.copy_engine.start(self, batch)
+        #    write; a request whose blocks are still on their way (LLM's copies in the
+        #    background, section 9) sits the step out
+        batch = self._make_copies(batch)
         # 2. the batch as tensors (model.Batch), and the sequences whose logits are sampled
         model_batch, to_sample = self._prepare(batch)
         # 3. the model writes every new token's K/V into its slot and returns logits to sample,
@@ -1113,38 +1155,31 @@ class LLM:
         logits, finite = self.model(model_batch, self.kv_cache)
         logits = logits.cpu()
         batch.model_seconds = time.perf_counter() - t0
-        # NaN or inf in any token, sampled or not: an error naming the requests (section 10)
-        check_finite(self, batch, to_sample, logits, finite)
+        self._check_finite(batch, to_sample, logits, finite)
         # 4. sampling, each sample from its own random stream (an n>1 request's first token: n
-        #    draws, it forks on them in postprocess); a beam keeps its log-probs for step 6. The
-        #    greedy picks, every row's argmax, come from one call
-        sampled = {}
-        greedy = logits.argmax(-1).tolist()
-        for (request, seq), row, best in zip(to_sample, logits, greedy):
-            if request.is_beam_search:
-                seq.logprobs = row.log_softmax(-1)
-                continue
-            sampled[seq] = []
-            for i in [seq.index] if request.past_first_token else range(request.params.n):
-                sampled[seq].append(sample(row, request, i, best))
+        #    draws, it forks on them in postprocess)
+        sampled = self._sample(to_sample, logits)
         # 5. metrics (the prefill tokens computed are counted in _prepare), then the scheduler
         #    advances the sequences
         self.num_generated_tokens += sum(len(t) for t in sampled.values())
         self.scheduler.postprocess(batch, sampled)
-        # 6. beam search (section 11): a round once every live beam of a request has log-probs
-        for request in list(self.scheduler.running):
-            if request.is_beam_search and all(b.logprobs is not None for b in request.seqs):
-                self.num_generated_tokens += beam_round(self.scheduler, request)
         return batch
 
-    def copy_blocks(self):
+    def _make_copies(self, batch):
         """Make the queued copies in order, each a block's K and V in all layers, blocking (a host
         block written from the device may be read for the disk next); made, one leaves the queue.
-        (With async_copies, CopyEngine.start takes this step's place: section 9.)"""
+        Returns the batch, whose requests may all run."""
         copies = self.block_manager.copies
         while copies:
-            self.copier.copy(*copies[0])
+            self._copy_block(*copies[0])
             copies.popleft()
+        return batch
+
+    def _copy_block(self, src_tier, src, dst_tier, dst):
+        self.kv_caches[dst_tier.name][:, :, dst].copy_(self.kv_caches[src_tier.name][:, :, src])
+
+    def _check_finite(self, batch, to_sample, logits, finite):
+        """NaN or inf from the model: not checked here (LLM raises, section 10)."""
 
     def _prepare(self, batch):
         """ScheduledBatch -> (model.Batch, to_sample: [(request, seq)]). Shapes: see model.Batch.
@@ -1189,57 +1224,273 @@ class LLM:
         return model_batch, to_sample
 
     def stats(self):
-        return engine_stats(self)   # (section 7)
+        """The metrics (LLM's, section 7, are vLLM's): here the block manager's counts."""
+        return dict(self.block_manager.counts)
+
+    def _sample(self, to_sample, logits):
+        """{seq: its tokens}, one (n for an n>1 request's first token) a sequence that samples.
+        The greedy picks, every row's argmax, come from one call."""
+        sampled = {}
+        greedy = logits.argmax(-1).tolist()
+        for (request, seq), row, best in zip(to_sample, logits, greedy):
+            sampled[seq] = []
+            for i in [seq.index] if request.past_first_token else range(request.params.n):
+                sampled[seq].append(sample(row, request, i, best))
+        return sampled
 
 # ==============================================================================================
-# reading path ends here. Every mechanism is above; below, sections 5-14, for a second reading
+# reading path ends here. Above, a plain engine that runs by itself; below, sections 5-14, for a
+# second reading: every refinement, a subclass or an override of a hook the plain code defines
 # ==============================================================================================
 
 # ----------------------------------------------------------------------------------------------
-# 5. The knobs, and the API guards: bad input stops at the API, before anything changes or any
-#    work starts
+# 5. LLM, the engine with every refinement; the knobs and the API guards: bad input stops at the
+#    API, before anything changes or any work starts
+
+from kernel import dequantize, quantize   # noqa: E402 (INT8 tiers, section 9)
+# transformers is imported only when a model is loaded
+from model import load_model   # noqa: E402
+
 
 @dataclass(frozen=True)
-class EngineArgs:
-    """Every knob of LLM, vLLM's names, checked as it is made (a ValueError naming the knob)."""
-    # None/"smollm2": the default model; a local directory; "random:<preset>" (model.PRESETS)
-    model: str | None = None
-    device: str | None = None   # None: cuda if available, else cpu
-    # None: float32 on a CPU, bfloat16 on CUDA (FLOATS)
-    dtype: str | None = None
-    block_size: int = 16        # tokens a block holds
-    # the device pool; None: from a memory budget (LLM)
-    num_blocks: int | None = None
-    # the host pool: swapped requests, cached blocks evicted
-    num_cpu_blocks: int = 0
-    # the disk pool: cached blocks evicted from the host
-    num_disk_blocks: int = 0
-    # the disk pool's file; None: a temporary one
-    disk_path: str | None = None
-    enable_prefix_caching: bool = True
-    max_num_seqs: int = 256     # sequences running at once, at most
-    max_num_batched_tokens: int = 2048   # tokens a step computes, at most
-    # a request's tokens, at most; None: the model's
-    max_model_len: int | None = None
-    # "recompute", "swap" or "auto" (the cost rule)
-    preemption_mode: str = "auto"
-    seed: int = 0
-    kv_cache_dtype: str = "auto"         # "auto" (the model's dtype) or "int8"
-    # the host's and disk's: "auto" (as the device's)
-    offload_kv_cache_dtype: str = "auto"
-    # copies between tiers in the background
-    async_copies: bool = True
-    # emulated links: {"host": GB/s, "disk": GB/s}
-    tier_gbps: dict | None = None
-    scheduling_policy: str = "fcfs"      # "fcfs" or "priority"
-    # a priority level better every K steps waited
-    priority_aging_steps: int = 0
-    # blocks admitting a prompt leaves free for running decodes; None: 1% of the pool
-    watermark_blocks: int | None = None
+class SamplingParams(Sampling):
+    """Sampling, each field checked as it is made (a ValueError naming it)."""
 
     def __post_init__(self):
         check_fields(self)
-        check_engine_args(self)
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """LLM.beam_search: the beam_width likeliest continuations (section 11)."""
+    beam_width: int
+    max_tokens: int = 16
+    # score = cum_logprob / length ** length_penalty
+    length_penalty: float = 1.0
+    ignore_eos: bool = False
+    # the most sequences the request holds at once (what the pool is sized by): beam_width
+    n: int = field(init=False, repr=False)
+    seed = None   # (a beam draws nothing)
+
+    def __post_init__(self):
+        # frozen: set once, as it is made
+        object.__setattr__(self, "n", self.beam_width)
+        check_fields(self)   # each a ValueError naming it
+
+
+class LLM(Engine):
+    """The engine with every refinement: its knobs checked, its model loaded by name, the tiers
+    below the device (INT8, the disk file, copies in the background, the cost rule), priorities,
+    beam search, why each prompt token missed the cache, the undo of a step that raises, the
+    events and metrics, the live view. Its knobs are EngineArgs': LLM("random:tiny",
+    block_size=4, num_blocks=24)."""
+
+    def __init__(self, model=None, **kwargs):
+        # every knob is checked (a ValueError) before the model loads, which takes seconds
+        args = EngineArgs(model, **kwargs)
+        check_fields(args)
+        check_engine_args(args)
+        self.events = EventLog()   # what happened, as records (section 7)
+        default = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(args.device or default)
+        # dtype: a name (FLOATS), torch's dtype, or None: the device's usual one
+        dtype = (FLOATS.get(args.dtype, args.dtype)
+                 or (torch.bfloat16 if device.type == "cuda" else torch.float32))
+        model, tokenizer, eos_token_ids = load_model(args.model, device, dtype, args.seed)
+        super().__init__(model, args, tokenizer, eos_token_ids)
+        # the copies between tiers in the background (async_copies, section 9)
+        self.copy_engine = CopyEngine(self) if args.async_copies else None
+
+    def _block_shape(self, args):
+        """An INT8 cache (kv_cache_dtype="int8") holds each row's scale too: section 9."""
+        block, dtype = super()._block_shape(args)
+        if args.kv_cache_dtype != "int8":
+            return block, dtype
+        return block[:-1] + (kv_row(block[-1], torch.int8),), torch.int8
+
+    def _num_device_blocks(self, args, block_bytes):
+        """Engine's, then the pools checked against this machine's memory, max_model_len against
+        the model's (section 5)."""
+        num_blocks = super()._num_device_blocks(args, block_bytes)
+        check_loaded_model(self, args, num_blocks)
+        return num_blocks
+
+    def _lower_pools(self, args, block, dtype):
+        """Host memory (pinned on CUDA) and a file mapped into memory, in offload_kv_cache_dtype
+        (section 9)."""
+        low_dtype, low_block = offload_block(args, block, self.model.config.head_dim, dtype)
+        host_shape, disk_shape = (low_block[:2] + (n,) + low_block[2:]
+                                  for n in (args.num_cpu_blocks, args.num_disk_blocks))
+        pinned = self.device.type == "cuda"
+        return {"host": torch.zeros(host_shape, dtype=low_dtype, pin_memory=pinned),
+                "disk": open_disk_pool(args.disk_path, disk_shape, low_dtype)}
+
+    def _make_block_manager(self, args):
+        """A BlockManager logging to self.events, with the cost rule: the block copier between
+        the tiers (its links as slow as tier_gbps says), each tier's block copy timed now, the
+        model's time a token after every step."""
+        self.copier = BlockCopier(self.kv_caches, args.tier_gbps or {})
+        cost = CostModel.measure(self.kv_caches, self.copier, args.block_size)
+        self.on_step.append(cost.observe)
+        return BlockManager(self.kv_cache.shape[2], args.block_size, args.num_cpu_blocks,
+                            args.enable_prefix_caching, self.events,
+                            args.num_disk_blocks, cost)
+
+    def _make_scheduler(self, args, eos_token_ids):
+        """scheduling_policy="priority": the lines ordered by each request's priority (section
+        12)."""
+        policy = PriorityScheduler if args.scheduling_policy == "priority" else Scheduler
+        return policy(self.block_manager, args, eos_token_ids)
+
+    # -- requests in, checked; the view; a call that raises drops its requests
+    def add_requests(self, prompts, params=None, kind=SamplingParams, priority=None):
+        """Validate all, then queue all: a bad prompt leaves the engine as it was. Returns ids.
+        priority: None, or an int per prompt (scheduling_policy="priority": lower goes first)."""
+        # every prompt tokenized and checked (ValueError) before any is queued (section 5)
+        checked = checked_requests(self, prompts, params, kind, priority)
+        with Interrupts():   # Ctrl-C waits until all are queued (section 10)
+            return self._queue(checked)
+
+    def generate(self, prompts, params=None, live=False, priority=None):
+        """prompts: a string, a list of strings or of token-id lists; params: one for all, or one
+        per prompt; live: watch it in the terminal (View); priority: see add_requests. Returns a
+        RequestOutput per prompt."""
+        return self._run(prompts, params, SamplingParams, live, priority)
+
+    def beam_search(self, prompts, params, live=False, priority=None):
+        """The beam_width likeliest continuations of each prompt: a BeamSearchOutput per prompt."""
+        return self._run(prompts, params, BeamSearchParams, live, priority)
+
+    def _run(self, prompts, params, kind, live, priority):
+        """Queue, step, return the outputs; a call that raises (Ctrl-C too) drops its requests."""
+        check_args(live=live)   # a bool, or a ValueError
+        # filled in place: the drop below sees what was queued when it runs
+        request_ids = []
+        # if anything below raises, this call's requests are dropped with their blocks (section 10)
+        with recovery(lambda: self.abort(request_ids)):
+            with Interrupts():   # queued and known here, or not queued at all
+                request_ids += self.add_requests(prompts, params, kind, priority)
+            # live: the view (section 13)
+            with View(self) if live else contextlib.nullcontext():
+                return self._run_to_end(request_ids)
+
+    def output(self, request_id):
+        """A finished request's RequestOutput (BeamSearchOutput for beam search), taken out."""
+        request = self.requests.get(request_id) if is_int(request_id) else None
+        require(request is not None and request.status is RequestStatus.FINISHED,
+                f"request {request_id} is unknown, unfinished or already returned")
+        return super().output(request_id)
+
+    def _output(self, request):
+        """Beam search: the best hypotheses, by vLLM's score (section 11)."""
+        if request.is_beam_search:
+            return beam_output(self, request)
+        return super()._output(request)
+
+    def _prompt_record(self, request):
+        """Where each prompt token was found, why the others were computed (section 8)."""
+        return breakdown(request.sources)
+
+    # -- a step: undone if it raises; copies in the background; NaN stops it; beams
+    def _step_report(self):
+        require(self.scheduler.has_unfinished(), "step(): nothing to run; add_requests() first")
+        self.events.step = self.num_steps + 1
+        # if it raises, what it changed is put back first (section 10)
+        with recovery(Undo(self).restore):
+            return super()._step_report()
+
+    def _step(self):
+        batch = super()._step()
+        # beam search (section 11): a round once every live beam of a request has log-probs
+        for request in list(self.scheduler.running):
+            if request.is_beam_search and all(b.logprobs is not None for b in request.seqs):
+                self.num_generated_tokens += beam_round(self.scheduler, request)
+        return batch
+
+    def _make_copies(self, batch):
+        """By default (async_copies) the copy engine makes them in the background, and a request
+        whose blocks are still on their way sits the step out (section 9)."""
+        if self.copy_engine is None:
+            return super()._make_copies(batch)
+        return self.copy_engine.start(self, batch)
+
+    def _copy_block(self, *copy):
+        """Through the block copier: converted between the tiers' dtypes, over emulated links."""
+        self.copier.copy(*copy)
+
+    def _check_finite(self, batch, to_sample, logits, finite):
+        """NaN or inf (the model broken) in the logits, or in any token's hidden state (finite: (T,)
+        bool), raise before any token is sampled or any block registered, naming the step and the
+        requests; the step is undone, as after any error. Every chunk is checked, one that samples
+        nothing too: K/V written from a NaN are never found by a later prompt. (An INT8 cache would
+        turn them into zeros, and the last chunk's logits could come out finite.)"""
+        broken = (~logits.isfinite()).any(-1).tolist()   # (rows,)
+        ids = {request.request_id
+               for (request, _), bad in zip(to_sample, broken) if bad}
+        if not finite.all():
+            # each sequence's tokens in the step, in order
+            sizes = [e.num_new_tokens for e in batch.entries]
+            for entry, rows in zip(batch.entries, finite.split(sizes)):
+                if not rows.all():
+                    ids.add(entry.request.request_id)
+        if ids:
+            raise FloatingPointError(f"step {self.events.step}: requests {_ids(sorted(ids))}: "
+                                     "NaN/inf in their logits or hidden states: the model's "
+                                     "weights or inputs are broken")
+
+    def _sample(self, to_sample, logits):
+        """A beam keeps its log-probs for the round (section 11); the others sample."""
+        beams = [r.is_beam_search for r, _ in to_sample]
+        if not any(beams):
+            return super()._sample(to_sample, logits)
+        for (request, seq), row in zip(to_sample, logits):
+            if request.is_beam_search:
+                seq.logprobs = row.log_softmax(-1)
+        rows = [i for i, beam in enumerate(beams) if not beam]
+        return super()._sample([to_sample[i] for i in rows], logits[rows])
+
+    def stats(self):
+        return engine_stats(self)   # (section 7)
+
+    # -- undo (section 10)
+    def start_over(self, unmade):
+        """Every request the pools hold lets go of its blocks, to be recomputed; the pools keep the
+        prefix cache, but for the blocks that the copies in unmade (never made) were to write."""
+        sched, bm = self.scheduler, self.block_manager
+        lost = bm.put_back_sources(unmade)
+        holders = sorted(sched.running + sched.swapped,
+                         key=lambda r: r.request_id, reverse=True)
+        sched.running = []
+        sched.swapped = []
+        for request in holders:
+            # the newest first, so that the oldest ends in front
+            # its blocks stamped as freeing them would (tail first; a shared block at its last
+            # holder), for the rebuild's LRU order; then it lets go of them, to be recomputed
+            pool = bm.host if request.status is RequestStatus.SWAPPED else bm.device
+            for seq in request.seqs:
+                for block_id in reversed(seq.block_table):
+                    pool.blocks[block_id].cached_at = next(bm.clock)
+                seq.block_table = []
+            sched.recompute(request)
+        for pool in bm.tiers:   # nobody holds a block; the registered stay cached
+            bm.rebuild_pool(pool, lost)
+
+    def abort(self, request_ids):
+        """Drop a failed call's requests wherever they are, and their blocks."""
+        sched = self.scheduler
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is not None:
+                for line in (sched.waiting, sched.running, sched.swapped):
+                    if request in line:
+                        line.remove(request)
+                for seq in request.seqs:
+                    self.block_manager.free(seq)
+                request.status = RequestStatus.FINISHED
+        # stopped between steps, copies still on their way: given up (however slow the links), and
+        # the requests left recompute, as after an undone step (the copies not made never trusted)
+        if self.copy_engine and not self.copy_engine.idle():
+            self.start_over(self.copy_engine.give_up(self.copier))
 
 
 def require(ok, message):
@@ -1382,9 +1633,10 @@ def check_engine_args(args):
             "priority_aging_steps ages priorities: give scheduling_policy='priority' with it")
 
 
-def check_loaded_model(llm, args, num_blocks, block, kv_dtype):
+def check_loaded_model(llm, args, num_blocks):
     """What can only be checked once the model is known: its length, a block's size in bytes
-    against this machine's memory (block: a device block's shape, in kv_dtype)."""
+    against this machine's memory."""
+    block, kv_dtype = llm._block_shape(args)
     # Windows has none: no check
     sysconf = getattr(os, "sysconf", lambda name: math.inf)
     ram = sysconf("SC_PAGE_SIZE") * sysconf("SC_PHYS_PAGES")
@@ -1479,10 +1731,10 @@ def validate_request(llm, token_ids, params):
 # ----------------------------------------------------------------------------------------------
 # 6. Invariant checks: the block manager's rules, asserted (the tests call them after every step)
 
-def check_block_manager(bm):
-    """BlockManager.check_invariants: each rule, asserted by name, saying at which step which
-    block breaks it, what it is and what the rule wants."""
-    step = f"step {bm.events.step}"
+def check_block_manager(bm, step):
+    """BlockManager.check_invariants (any KVCacheManager's): each rule, asserted by name, saying
+    at which step which block breaks it, what it is and what the rule wants."""
+    step = f"step {step}"
     # prefix_id -> (hash, tokens, parent's prefix_id), as registered in any tier
     prefixes = {}
     for pool in bm.tiers:
@@ -1653,7 +1905,7 @@ def engine_stats(llm):
     queries = max(1, counts["prefix_cache_queries"])
     stats["prefix_cache_hit_rate"] = counts["prefix_cache_hits"] / queries
     # each prompt counted once: where its tokens were found, why the others were computed
-    tokens = breakdown(counts)
+    tokens = breakdown(bm.sources)
     stats["num_cached_tokens"], stats["cached_by_tier"], stats["computed_by_reason"] = tokens
     stats["num_preemptions"] = llm.scheduler.num_preemptions
     stats["num_prefill_tokens_computed"] = llm.num_prefill_tokens_computed
@@ -1678,49 +1930,12 @@ def engine_stats(llm):
 # its parent's (parent_prefix_id): a block found is the prefix's if its tokens and its parent's
 # prefix id are (BlockManager._lookup). The hash finds a block; the prefix id names it.
 
-def name_prefix(bm, block, parent):
-    """A block being registered (its hash and tokens set), after the prefix whose prefix_id is
-    parent (None: the first block): the prefix id of a copy registered in any tier already, else
-    a new one."""
-    block.parent_prefix_id = parent
-    twins = bm._lookup(bm.tiers, block.hash, block.token_ids, block.parent_prefix_id)
-    block.prefix_id = twins[0][1].prefix_id if twins else next(bm.prefix_ids)
-    block.hits = 0
-
-
-def tiers_below(bm, pool):
-    """The tiers under pool worth loading from, fastest first."""
-    below = bm.tiers[bm.tiers.index(pool) + 1:]
-    return [t for t in below if worth_loading(bm, t)]
-
-
 # The write-down rule. A cached block evicted from a tier is written down to the first tier
 # below worth loading from that keeps it: one with an empty block, or a full one whose next
 # block out was found less often (Block.hits: prompts that found it, and preempted requests that
 # will look for it again). Otherwise the write is traffic for nothing: the tier would evict a
 # block it may yet load for one it may never load. With a copy below already (written ahead,
 # section 9, or swapped), none is made.
-
-def write_down_or_lose(bm, pool, block, seq):   # BlockManager._evict's decision (for seq)
-    lower = tiers_below(bm, pool)
-    copies = bm._lookup(lower, block.hash, block.token_ids, block.parent_prefix_id)
-    keeping = [t for t in lower if keeps(t, block)]
-    if copies:
-        tier, copy = copies[0]
-        # the prompts that found it count on
-        copy.hits = max(copy.hits, block.hits)
-        bm.events.record("drop", [], [block.block_id], pool,
-                         [copy.block_id], tier)
-    elif keeping:
-        bm._write_down(pool, block, keeping[0], "write down", seq)
-    else:   # its K/V are lost to the prefix cache
-        bm.counts["num_evictions"] += 1
-        # a tier below had room, but only for a block found more often
-        if any(t.num_free_blocks > 0 for t in lower):
-            bm.counts["num_write_downs_skipped"] += 1
-        bm.events.record("evict", [], [block.block_id], pool)
-        remember_eviction(bm, pool, block, seq)
-
 
 def keeps(tier, block):
     """Is block worth a write-down into tier?"""
@@ -1761,72 +1976,6 @@ REASONS = [
 ]
 
 
-def explain_prompt(bm, request):   # Scheduler._admit's, before allocate
-    """Set request.sources (each prompt token's tier, or why it is computed), add them to the
-    counts, and tell the trace. The look-up is allocate's, made first."""
-    seq = request.seqs[0]
-    hits = bm._cache_hits(seq)
-    found = []
-    for tier, _ in hits:
-        found += [tier.name] * bm.block_size
-    # a recomputed request's hits may go past its prompt
-    found = found[:seq.num_prompt_tokens]
-    num_computed = seq.num_prompt_tokens - len(found)
-    computed = ["caching off"] * num_computed
-    lost = ""
-    if request.sources:   # admitted again: what it finds keeps its record
-        found = list(request.sources[:len(found)])
-    # its whole prompt computed before: what it computes now is computed again
-    if request.past_first_token:
-        computed = ["recomputed"] * num_computed
-    elif bm.enable_prefix_caching:
-        computed, lost = why_computed(bm, seq, hits)
-    sources = tuple(found + computed)
-    bm.counts.subtract(request.sources)
-    bm.counts.update(sources)
-    request.sources = sources
-    # in the trace's words: each source's tokens and blocks, then an eviction's when, where, whom
-    bm.events.record("prompt", [seq], sources=source_words(sources, bm.block_size) + lost)
-
-
-def why_computed(bm, seq, hits):
-    """(The reasons of the prompt tokens after the hits, words on an eviction.) The first block
-    missed tells why; those after it miss with it; the last token's block is never looked up."""
-    size = bm.block_size
-    # the block of the last prompt token
-    last = (seq.num_prompt_tokens - 1) // size
-    first = len(hits)
-    computed = []
-    lost = ""
-    if first < last:
-        h = bm._block_hash(seq, first)
-        tokens = bm._tokens(seq, first)
-        parent = hits[-1][1].prefix_id if hits else None
-        # in a tier below (on the device it would be a hit)
-        if bm._lookup(bm.tiers, h, tokens, parent):
-            reason = "not loaded"
-        elif (h, tokens) in bm.evicted:
-            reason = "evicted"
-            lost = f"; block {first} was evicted {bm.evicted[(h, tokens)]}"
-        else:
-            reason = "first seen"
-        computed = [reason] * size + ["after a miss"] * (size * (last - first - 1))
-    num_left = seq.num_prompt_tokens - last * size
-    tail = "last token" if num_left == size else "partial block"
-    return computed + [tail] * num_left, lost
-
-
-def remember_eviction(bm, pool, block, seq):
-    """In bm.evicted: the prefix lost, where, when, for whom (the oldest forgotten past as many
-    as the device pool holds)."""
-    key = (block.hash, block.token_ids)
-    bm.evicted.pop(key, None)
-    whom = f"seq {seq.seq_id}" if seq else "a write-ahead"
-    bm.evicted[key] = f"from the {pool.name} tier at step {bm.events.step} for {whom}"
-    if len(bm.evicted) > bm.num_blocks:
-        bm.evicted.popitem(last=False)
-
-
 def breakdown(sources):
     """(num_cached_tokens, cached_by_tier, computed_by_reason) of a request's sources, or of the
     engine's counts."""
@@ -1852,41 +2001,10 @@ def source_words(sources, block_size):
 # equal tokens, and waits (waits_for) until the leader has computed them (the one write to a
 # block with ref_count > 1, before anybody reads it), then computes its own.
 
-def num_shared(bm, leader, seq):
-    """Blocks seq can share with leader: the leading blocks that hold the same tokens in both,
-    before the block of either one's last token (its writer's own)."""
-    limit = (min(len(seq), len(leader)) - 1) // bm.block_size
-    for i in range(limit):
-        if bm._tokens(leader, i) != bm._tokens(seq, i):
-            return i
-    return limit
-
-
-def blocks_for_siblings(bm, leader, siblings):
-    """What forking siblings from leader takes."""
-    return sum(bm._num_blocks_for(len(seq)) - num_shared(bm, leader, seq)
-               for seq in siblings)
-
-
-def fork_from_leader(bm, leader, seq):
-    bm.fork(leader, seq, num_shared(bm, leader, seq))
-    seq.waits_for = leader
-
-
 # The cost rule: copy blocks, or recompute their tokens, whichever costs less here. Two choices
 # trade a copy against a recompute: preemption_mode='auto' (swap a request to the host and back,
 # or recompute it) and the tiers (load a cached block from host or disk, or recompute it; a
 # tier not worth loading from is not written down to either). Both take one measured rule.
-
-def worth_loading(bm, tier):
-    """The device always is; with no cost rule, every tier."""
-    return tier is bm.device or bm.cost is None or bm.cost.worth_loading(tier)
-
-
-def load_figures(bm, tier):
-    """For the trace: the rule's two sides for a load from tier."""
-    return f" ({bm.cost.load_figures(tier)})" if bm.cost is not None else ""
-
 
 @dataclass
 class CostModel:
@@ -1940,7 +2058,7 @@ class CostModel:
         leader, *others = request.seqs
         num_tokens = len(leader)
         for s in others:
-            num_tokens += len(s) - bm.block_size * num_shared(bm, leader, s)
+            num_tokens += len(s) - bm.block_size * bm.num_shared(leader, s)
         num_blocks = len(distinct_blocks(request.seqs))
         # out, then back in
         swap_seconds = 2 * num_blocks * self.seconds_per_block["host"]
@@ -1949,27 +2067,270 @@ class CostModel:
         return mode, (f"copy 2 x {num_blocks} blocks {ms(swap_seconds)}, recompute "
                       f"{num_tokens} tokens {ms(recompute_seconds)}")
 
+class BlockManager(KVCacheManager):
+    """KVCacheManager with its refinements: its knobs checked; the event log; the write-down
+    rule; why each prompt token missed the cache; a recomputed request's leader; the cost rule;
+    write-ahead (section 9) and the undo's rebuild of the pools (section 10)."""
+
+    def __init__(self, num_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=True,
+                 events=None, num_disk_blocks=0, cost=None):
+        check_args(num_blocks=num_blocks, block_size=block_size,
+                   num_cpu_blocks=num_cpu_blocks, num_disk_blocks=num_disk_blocks)
+        super().__init__(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching,
+                         num_disk_blocks)
+        # what happened, for the view and the trace
+        self.events = events or EventLog()
+        # which tiers are worth loading from (the cost rule); None: all of them
+        self.cost = cost
+        # the prefixes lost to the cache lately, for why a prompt missed it: (hash, tokens) ->
+        # from where, when, for whom; ARC's ghost list
+        self.evicted = OrderedDict()
+        # every prompt token admitted, by its source: a tier (TIERS) or a reason (REASONS)
+        self.sources = Counter()
+
+    def record(self, kind, *args, **details):
+        self.events.record(kind, *args, **details)
+
+    def take_events(self):
+        return self.events.take()
+
+    def check_invariants(self):
+        check_block_manager(self, self.events.step)   # (section 6)
+
+    # -- the write-down rule
+    def tiers_below(self, pool):
+        """The tiers under pool worth loading from, fastest first."""
+        below = self.tiers[self.tiers.index(pool) + 1:]
+        return [t for t in below if self.worth_loading(t)]
+
+    def write_down_or_lose(self, pool, block, seq):
+        """_evict's decision (for seq): a copy below already, a write-down, or lost."""
+        lower = self.tiers_below(pool)
+        copies = self._lookup(lower, block.hash, block.token_ids, block.parent_prefix_id)
+        keeping = [t for t in lower if keeps(t, block)]
+        if copies:
+            tier, copy = copies[0]
+            # the prompts that found it count on
+            copy.hits = max(copy.hits, block.hits)
+            self.record("drop", [], [block.block_id], pool,
+                        [copy.block_id], tier)
+        elif keeping:
+            self._write_down(pool, block, keeping[0], "write down", seq)
+        else:   # its K/V are lost to the prefix cache
+            # a tier below had room, but only for a block found more often
+            if any(t.num_free_blocks > 0 for t in lower):
+                self.counts["num_write_downs_skipped"] += 1
+            super().write_down_or_lose(pool, block, seq)
+            self.remember_eviction(pool, block, seq)
+
+    def _write_down(self, pool, block, below, kind, seq=None):
+        """A copy of block's K/V in a block of the tier below, cached there (for seq)."""
+        dst = self._get_new_block(below, seq)
+        self.copies.append(BlockCopy(pool, block.block_id,
+                                     below, dst.block_id))
+        # registered after its copy is queued (section 10)
+        self._register(below, dst, like=block)
+        self._cache(below, dst)
+        self.counts["num_offloaded_blocks"] += 1
+        self.record(kind, [], [block.block_id], pool,
+                    [dst.block_id], below)
+
+    # -- why a prompt missed the cache
+    def explain_prompt(self, request):
+        """Set request.sources (each prompt token's tier, or why it is computed), add them to the
+        counts, and tell the trace. The look-up is allocate's, made first."""
+        seq = request.seqs[0]
+        hits = self._cache_hits(seq)
+        found = []
+        for tier, _ in hits:
+            found += [tier.name] * self.block_size
+        # a recomputed request's hits may go past its prompt
+        found = found[:seq.num_prompt_tokens]
+        num_computed = seq.num_prompt_tokens - len(found)
+        computed = ["caching off"] * num_computed
+        lost = ""
+        if request.sources:   # admitted again: what it finds keeps its record
+            found = list(request.sources[:len(found)])
+        # its whole prompt computed before: what it computes now is computed again
+        if request.past_first_token:
+            computed = ["recomputed"] * num_computed
+        elif self.enable_prefix_caching:
+            computed, lost = self.why_computed(seq, hits)
+        sources = tuple(found + computed)
+        self.sources.subtract(request.sources)
+        self.sources.update(sources)
+        request.sources = sources
+        # in the trace's words: each source's tokens and blocks, then an eviction's when, where
+        # and for whom
+        self.record("prompt", [seq], sources=source_words(sources, self.block_size) + lost)
+
+    def why_computed(self, seq, hits):
+        """(The reasons of the prompt tokens after the hits, words on an eviction.) The first block
+        missed tells why; those after it miss with it; the last token's block is never looked up."""
+        size = self.block_size
+        # the block of the last prompt token
+        last = (seq.num_prompt_tokens - 1) // size
+        first = len(hits)
+        computed = []
+        lost = ""
+        if first < last:
+            h = self._block_hash(seq, first)
+            tokens = self._tokens(seq, first)
+            parent = hits[-1][1].prefix_id if hits else None
+            # in a tier below (on the device it would be a hit)
+            if self._lookup(self.tiers, h, tokens, parent):
+                reason = "not loaded"
+            elif (h, tokens) in self.evicted:
+                reason = "evicted"
+                lost = f"; block {first} was evicted {self.evicted[(h, tokens)]}"
+            else:
+                reason = "first seen"
+            computed = [reason] * size + ["after a miss"] * (size * (last - first - 1))
+        num_left = seq.num_prompt_tokens - last * size
+        tail = "last token" if num_left == size else "partial block"
+        return computed + [tail] * num_left, lost
+
+    def remember_eviction(self, pool, block, seq):
+        """In self.evicted: the prefix lost, where, when, for whom (the oldest forgotten past as
+        many as the device pool holds)."""
+        key = (block.hash, block.token_ids)
+        self.evicted.pop(key, None)
+        whom = f"seq {seq.seq_id}" if seq else "a write-ahead"
+        self.evicted[key] = f"from the {pool.name} tier at step {self.events.step} for {whom}"
+        if len(self.evicted) > self.num_blocks:
+            self.evicted.popitem(last=False)
+
+    # -- a recomputed request's leader
+    def num_shared(self, leader, seq):
+        """Blocks seq can share with leader: the leading blocks that hold the same tokens in both,
+        before the block of either one's last token (its writer's own)."""
+        limit = (min(len(seq), len(leader)) - 1) // self.block_size
+        for i in range(limit):
+            if self._tokens(leader, i) != self._tokens(seq, i):
+                return i
+        return limit
+
+    def blocks_for_siblings(self, leader, siblings):
+        """What forking siblings from leader takes."""
+        return sum(self._num_blocks_for(len(seq)) - self.num_shared(leader, seq)
+                   for seq in siblings)
+
+    def allocate_sibling(self, leader, seq):
+        """seq forks from leader, sharing what they share, and waits for the leader to write it."""
+        self.fork(leader, seq, self.num_shared(leader, seq))
+        seq.waits_for = leader
+
+    # -- the cost rule
+    def worth_loading(self, tier):
+        """The device always is; with no cost rule, every tier."""
+        return tier is self.device or self.cost is None or self.cost.worth_loading(tier)
+
+    def load_figures(self, tier):
+        """For the trace: the rule's two sides for a load from tier."""
+        return f" ({self.cost.load_figures(tier)})" if self.cost is not None else ""
+
+    def cheaper_mode(self, request):
+        return self.cost.cheaper_mode(self, request)
+
+    # -- write-ahead (section 9)
+    def write_ahead(self):
+        """Device blocks with no copy below get one in the first tier below that keeps it (as on
+        eviction), in the background, and stay: the WRITE_AHEAD cached blocks next out first
+        (write-back, ahead of need), then the full blocks that running sequences hold, each looked
+        at once (write-through: a request that ends leaves its copies below). Evicting one later
+        makes no copy, so no step waits for its write-down; the engine calls it when the link is
+        idle. Each sequence keeps how far it was looked at, and the last block's id."""
+        lower = self.tiers_below(self.device)
+        left = WRITE_AHEAD_PER_STEP
+        # the cached blocks next out first
+        for block_id in itertools.islice(self.device.cached_block_ids, WRITE_AHEAD):
+            if left == 0:
+                return
+            if self.write_down_ahead(lower, self.device.blocks[block_id]):
+                left -= 1
+        for seq in self.device.seqs.values():
+            start, last = seq.written_through
+            if start and seq.block_table[start - 1] != last:
+                # other blocks: recomputed, or swapped out and back in
+                start = 0
+            for i in range(start, seq.num_computed_tokens // self.block_size):
+                if left == 0:
+                    return
+                seq.written_through = i + 1, seq.block_table[i]
+                if self.write_down_ahead(lower, self.device.blocks[seq.block_table[i]]):
+                    left -= 1
+
+    def write_down_ahead(self, lower, block):
+        """A registered block with no copy in a tier below gets one, in the first tier below that
+        keeps it, if any. Returns whether it had none: each such block counts against
+        WRITE_AHEAD_PER_STEP, kept below or not."""
+        copies = self._lookup(lower, block.hash, block.token_ids, block.parent_prefix_id)
+        if block.hash is None or copies:
+            return False
+        tiers = lower
+        if block.ref_count > 0:
+            # held: only into room right below, evicting nothing there
+            tiers = [t for t in lower[:1] if t.empty_block_ids]
+        below = [t for t in tiers if keeps(t, block)]
+        if below:
+            self._write_down(self.device, block, below[0], "write ahead")
+        return True
+
+    # -- the undo's (section 10): the pools put back as a step that raised left them
+    def put_back_sources(self, unmade):
+        """The blocks whose K/V are not in place: those the copies in unmade (BlockCopy records, in
+        the order queued) were to write. A copy never made leaves its source as it was, unless a
+        copy before it was to write that block: the source takes back the place in the prefix cache
+        that its copy was given, so that a load or a write-down stopped halfway loses no prefix
+        (unless a later copy was to write the copy too, or it was evicted since: its entry is not
+        this one)."""
+        writes = [(c.dst_tier, c.dst) for c in unmade]
+        # each block's last writer among them; and, as the loop goes back, the blocks that the
+        # copies before the one at hand were to write
+        last = {block: i for i, block in enumerate(writes)}
+        before = Counter(writes)
+        lost = set(writes)
+        # from the last copy back: a source put back is no earlier copy's block to write, so no
+        # entry read after it has changed
+        for i in reversed(range(len(unmade))):
+            src_tier, src, dst_tier, dst = unmade[i]
+            before[dst_tier, dst] -= 1
+            # no copy before it was to write its source: the source's K/V are as they were
+            intact = not before[src_tier, src]
+            if intact and last[dst_tier, dst] == i and is_registered(dst_tier, dst):
+                # registered since (as it was, or another's by a copy never made): again, as
+                # the copy is
+                if is_registered(src_tier, src):
+                    self._unregister(src_tier, src_tier.blocks[src])
+                self._register(src_tier, src_tier.blocks[src], like=dst_tier.blocks[dst])
+                lost.discard((src_tier, src))
+        return lost
+
+    def rebuild_pool(self, pool, lost):
+        """Every block of pool empty, or cached if whole (not in lost) and registered as the step
+        left it, in LRU order: by cached_at (start_over has stamped the blocks the step's holders
+        held)."""
+        # as the step left it: a block goes in last
+        registered = pool.hash_to_block_ids
+        # its lists empty, as new
+        pool.empty_block_ids = deque()
+        pool.cached_block_ids = OrderedDict()
+        pool.hash_to_block_ids = {}
+        pool.seqs = {}
+        for block in sorted(pool.blocks, key=lambda b: b.cached_at):
+            whole = (pool, block.block_id) not in lost   # its K/V are in place
+            if whole and block.block_id in registered.get(block.hash, ()):
+                block.ref_count = 0
+                self._register(pool, block)
+                pool.cached_block_ids[block.block_id] = None
+            else:
+                # not registered, or half registered or half evicted as the step stopped
+                pool.blocks[block.block_id] = Block(block.block_id)   # as new
+                pool.empty_block_ids.append(block.block_id)
+
 # ----------------------------------------------------------------------------------------------
 # 9. The tiers' machinery: the host and disk pools, INT8 below the device, the block copier and
 #    its emulated links, the copy engine that makes copies in the background, write-ahead
-
-def build_tiers(llm, args, block):
-    """LLM's tiers below the device: host memory (pinned on CUDA) and a file mapped into memory;
-    the block copier between the tiers, its links as slow as tier_gbps says; with async_copies
-    the copy engine; the cost rule, each tier's block copy timed now (the model's time a token
-    after it). Returns (kv_caches: tier name -> K/V, copier, copy engine or None, cost)."""
-    low_dtype, low_block = offload_block(args, block, llm.model.config.head_dim,
-                                         llm.kv_cache.dtype)
-    host_shape, disk_shape = (low_block[:2] + (n,) + low_block[2:]
-                              for n in (args.num_cpu_blocks, args.num_disk_blocks))
-    pinned = llm.device.type == "cuda"
-    kv_caches = {"device": llm.kv_cache,
-                 "host": torch.zeros(host_shape, dtype=low_dtype, pin_memory=pinned),
-                 "disk": open_disk_pool(args.disk_path, disk_shape, low_dtype)}
-    copier = BlockCopier(kv_caches, args.tier_gbps or {})
-    copy_engine = CopyEngine(llm) if args.async_copies else None
-    return kv_caches, copier, copy_engine, CostModel.measure(kv_caches, copier, args.block_size)
-
 
 def offload_block(args, block, head_dim, kv_dtype):
     """(dtype, shape) of a block in the tiers below, offload_kv_cache_dtype's ("auto": the
@@ -2056,8 +2417,6 @@ class CopyEngine:
         self.in_flight = {}
         # Future -> its BlockCopy, queued, until the trace tells it made
         self.started = {}
-        # seq -> (its table, blocks written through)
-        self.through = weakref.WeakKeyDictionary()
         # the exception, once a copy raised (no copy is made after it)
         self.failed = None
         self.stream = torch.cuda.Stream(llm.device) if llm.device.type == "cuda" else None
@@ -2084,7 +2443,7 @@ class CopyEngine:
         copies = llm.block_manager.copies
         if WRITE_AHEAD and self.idle() and not copies:
             # the link idle: write ahead
-            write_ahead(llm.block_manager, self.through)
+            llm.block_manager.write_ahead()
         while copies:
             # it leaves the queue once queued on the worker (or made)
             copy = copies[0]
@@ -2180,51 +2539,6 @@ WRITE_AHEAD = 16
 WRITE_AHEAD_PER_STEP = 4
 
 
-def write_ahead(bm, through):
-    """Device blocks with no copy below get one in the first tier below that keeps it (as on
-    eviction), in the background, and stay: the WRITE_AHEAD cached blocks next out first
-    (write-back, ahead of need), then the full blocks that running sequences hold, each looked at
-    once (write-through: a request that ends leaves its copies below). Evicting one later makes
-    no copy, so no step waits for its write-down; the engine calls it when the link is idle.
-    through: seq -> (its table, blocks looked at), kept from step to step."""
-    lower = tiers_below(bm, bm.device)
-    left = WRITE_AHEAD_PER_STEP
-    # the cached blocks next out first
-    for block_id in itertools.islice(bm.device.cached_block_ids, WRITE_AHEAD):
-        if left == 0:
-            return
-        if write_down_ahead(bm, lower, bm.device.blocks[block_id]):
-            left -= 1
-    for seq in bm.device.seqs.values():
-        table, start = through.get(seq, (None, 0))
-        if table is not seq.block_table:
-            # a new table: freed, allocated again
-            start = 0
-        for i in range(start, seq.num_computed_tokens // bm.block_size):
-            if left == 0:
-                return
-            through[seq] = seq.block_table, i + 1
-            if write_down_ahead(bm, lower, bm.device.blocks[seq.block_table[i]]):
-                left -= 1
-
-
-def write_down_ahead(bm, lower, block):
-    """A registered block with no copy in a tier below gets one, in the first tier below that
-    keeps it, if any. Returns whether it had none: each such block counts against
-    WRITE_AHEAD_PER_STEP, kept below or not."""
-    copies = bm._lookup(lower, block.hash, block.token_ids, block.parent_prefix_id)
-    if block.hash is None or copies:
-        return False
-    tiers = lower
-    if block.ref_count > 0:
-        # held: only into room right below, evicting nothing there
-        tiers = [t for t in lower[:1] if t.empty_block_ids]
-    below = [t for t in tiers if keeps(t, block)]
-    if below:
-        bm._write_down(bm.device, block, below[0], "write ahead")
-    return True
-
-
 def open_disk_pool(path, shape, dtype):
     """The disk tier's K/V: a new file (by default a temporary one) mapped into memory, so that a
     copy is the OS's write or read (its page cache may keep it). Its space is reserved whole now:
@@ -2289,7 +2603,7 @@ UNDO_FIELDS = {
     "LLM": "num_steps num_prefill_tokens_computed num_generated_tokens",
     "Scheduler": "waiting running swapped num_preemptions",
     "PriorityScheduler": "waiting running swapped num_preemptions num_steps_waited",
-    "BlockManager": "copies counts",
+    "BlockManager": "copies counts sources",
     "EventLog": "step records",
     "Request": "status seqs finished hypotheses first_token_time sources",
     "Sequence": "num_computed_tokens num_cached_tokens block_table waits_for prefill_until "
@@ -2345,86 +2659,13 @@ class Undo:
         for token_ids, n in self.lengths:
             # the tokens the step appended, cut off
             del token_ids[n:]
-        start_over(llm, unmade)
-
-
-def start_over(llm, unmade):
-    """Every request the pools hold lets go of its blocks, to be recomputed; the pools keep the
-    prefix cache, but for the blocks that the copies in unmade (never made) were to write."""
-    sched, bm = llm.scheduler, llm.block_manager
-    lost = put_back_sources(bm, unmade)
-    holders = sorted(sched.running + sched.swapped,
-                     key=lambda r: r.request_id, reverse=True)
-    sched.running = []
-    sched.swapped = []
-    for request in holders:
-        # the newest first, so that the oldest ends in front
-        # its blocks stamped as freeing them would (tail first; a shared block at its last
-        # holder), for the rebuild's LRU order; then it lets go of them, to be recomputed
-        pool = bm.host if request.status is RequestStatus.SWAPPED else bm.device
-        for seq in request.seqs:
-            for block_id in reversed(seq.block_table):
-                pool.blocks[block_id].cached_at = next(bm.clock)
-            seq.block_table = []
-        sched._recompute(request)
-    for pool in bm.tiers:   # nobody holds a block; the registered stay cached
-        rebuild_pool(bm, pool, lost)
-
-
-def put_back_sources(bm, unmade):
-    """The blocks whose K/V are not in place: those the copies in unmade (BlockCopy records, in
-    the order queued) were to write. A copy never made leaves its source as it was, unless a copy
-    before it was to write that block: the source takes back the place in the prefix cache that
-    its copy was given, so that a load or a write-down stopped halfway loses no prefix (unless a
-    later copy was to write the copy too, or it was evicted since: its entry is not this one)."""
-    writes = [(c.dst_tier, c.dst) for c in unmade]
-    # each block's last writer among them; and, as the loop goes back, the blocks that the copies
-    # before the one at hand were to write
-    last = {block: i for i, block in enumerate(writes)}
-    before = Counter(writes)
-    lost = set(writes)
-    # from the last copy back: a source put back is no earlier copy's block to write, so no entry
-    # read after it has changed
-    for i in reversed(range(len(unmade))):
-        src_tier, src, dst_tier, dst = unmade[i]
-        before[dst_tier, dst] -= 1
-        # no copy before it was to write its source: the source's K/V are as they were
-        intact = not before[src_tier, src]
-        if intact and last[dst_tier, dst] == i and is_registered(dst_tier, dst):
-            # registered since (as it was, or another's by a copy never made): again, as the copy
-            if is_registered(src_tier, src):
-                bm._unregister(src_tier, src_tier.blocks[src])
-            bm._register(src_tier, src_tier.blocks[src], like=dst_tier.blocks[dst])
-            lost.discard((src_tier, src))
-    return lost
+        llm.start_over(unmade)
 
 
 def is_registered(pool, block_id):
     """Wholly: a step stopped halfway may leave a block's fields set, not its place in the map
     (which _register fills last)."""
     return block_id in pool.hash_to_block_ids.get(pool.blocks[block_id].hash, ())
-
-
-def rebuild_pool(bm, pool, lost):
-    """Every block of pool empty, or cached if whole (not in lost) and registered as the step left
-    it, in LRU order: by cached_at (start_over has stamped the blocks the step's holders held)."""
-    # as the step left it: a block goes in last
-    registered = pool.hash_to_block_ids
-    # its lists empty, as new
-    pool.empty_block_ids = deque()
-    pool.cached_block_ids = OrderedDict()
-    pool.hash_to_block_ids = {}
-    pool.seqs = {}
-    for block in sorted(pool.blocks, key=lambda b: b.cached_at):
-        whole = (pool, block.block_id) not in lost   # its K/V are in place
-        if whole and block.block_id in registered.get(block.hash, ()):
-            block.ref_count = 0
-            bm._register(pool, block)
-            pool.cached_block_ids[block.block_id] = None
-        else:
-            # not registered, or half registered or half evicted as the step stopped
-            pool.blocks[block.block_id] = Block(block.block_id)   # as new
-            pool.empty_block_ids.append(block.block_id)
 
 
 class Interrupts:
@@ -2488,44 +2729,6 @@ def recovery(undo):
             undo()
             raise
 
-
-def check_finite(llm, batch, to_sample, logits, finite):
-    """NaN or inf (the model broken) in the logits, or in any token's hidden state (finite: (T,)
-    bool), raise before any token is sampled or any block registered, naming the step and the
-    requests; the step is undone, as after any error. Every chunk is checked, one that samples
-    nothing too: K/V written from a NaN are never found by a later prompt. (An INT8 cache would
-    turn them into zeros, and the last chunk's logits could come out finite.)"""
-    broken = (~logits.isfinite()).any(-1).tolist()   # (rows,)
-    ids = {request.request_id
-           for (request, _), bad in zip(to_sample, broken) if bad}
-    if not finite.all():
-        # each sequence's tokens in the step, in order
-        sizes = [e.num_new_tokens for e in batch.entries]
-        for entry, rows in zip(batch.entries, finite.split(sizes)):
-            if not rows.all():
-                ids.add(entry.request.request_id)
-    if ids:
-        raise FloatingPointError(f"step {llm.events.step}: requests {_ids(sorted(ids))}: "
-                                 "NaN/inf in their logits or hidden states: the model's weights "
-                                 "or inputs are broken")
-
-
-def abort(llm, request_ids):
-    """Drop a failed call's requests wherever they are, and their blocks."""
-    sched = llm.scheduler
-    for request_id in request_ids:
-        request = llm.requests.pop(request_id, None)
-        if request is not None:
-            for line in (sched.waiting, sched.running, sched.swapped):
-                if request in line:
-                    line.remove(request)
-            for seq in request.seqs:
-                llm.block_manager.free(seq)
-            request.status = RequestStatus.FINISHED
-    # stopped between steps, copies still on their way: given up (however slow the links), and
-    # the requests left recompute, as after an undone step (the copies not made never trusted)
-    if llm.copy_engine and not llm.copy_engine.idle():
-        start_over(llm, llm.copy_engine.give_up(llm.copier))
 
 # ----------------------------------------------------------------------------------------------
 # 11. Beam search: the beams of a request are forks of one another, on shared blocks

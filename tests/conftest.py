@@ -82,9 +82,11 @@ def step_without_model(llm, token=0):
     advance every sequence; each whose chunk reaches its last token samples `token` (an n>1
     request's first: n of them, so that its samples fork). Scheduling and the block manager
     alone, for the labs that pin them. Checks the invariants; returns the ScheduledBatch."""
+    import nanopaged
     llm.events.step = llm.num_steps + 1
     batch = llm.scheduler.schedule()
-    llm.copy_blocks()
+    # made at once, blocking, whether or not the engine has a copy engine
+    nanopaged.Engine._make_copies(llm, batch)
     sampled = {}
     for request, seq, num_new in batch.entries:
         if seq.num_computed_tokens + num_new == len(seq):

@@ -66,7 +66,7 @@ def _cache_hits(self, seq):
         test_a_tier_not_worth_loading_from_is_not_searched);
       - below the device, a block a swapped-out request holds is not found
         (test_a_host_block_a_swapped_out_request_holds_is_not_handed_out).
-    At hand: _block_hash, _tokens, _lookup, worth_loading, Block.prefix_id. This stub finds
+    At hand: _block_hash, _tokens, _lookup, self.worth_loading, Block.prefix_id. This stub finds
     nothing: every prompt is computed."""
     return []
 '''
@@ -79,14 +79,14 @@ def _evict(self, pool, seq):
       - the victim is the cached block freed longest ago (LRU); pool.cached_block_ids keeps
         the order _cache added them in (test_empty_blocks_go_before_cached_ones_then_the_
         oldest_cached, test_evictions_follow_a_plain_lru_list);
-      - its K/V go down to a tier below, or are lost and remembered, as section 8's
+      - its K/V go down to a tier below, or are lost and remembered, as
         write_down_or_lose decides (test_an_evicted_block_goes_down_to_the_host_or_is_
         remembered_lost);
       - it leaves the prefix cache, empty (check_invariants, in every test).
     This stub evicts the cached block of the lowest id: it works, but hits less."""
     block_id = min(pool.cached_block_ids)
     del pool.cached_block_ids[block_id]
-    write_down_or_lose(self, pool, pool.blocks[block_id], seq)   # (section 8)
+    self.write_down_or_lose(pool, pool.blocks[block_id], seq)
     self._unregister(pool, pool.blocks[block_id])
     pool.empty_block_ids.append(block_id)
 '''
@@ -138,7 +138,7 @@ def fork(self, parent, child, num_blocks=None):
         self.copies.append(BlockCopy(self.device, shared[i],
                                      self.device, child.block_table[i]))
     child.num_computed_tokens = computed
-    self.events.record("fork", [child], [], parent=parent.seq_id)
+    self.record("fork", [child], [], parent=parent.seq_id)
 '''
 
 COPY_ON_WRITE = '''
@@ -212,13 +212,13 @@ def preempt(self, request, batch, mode=None):
         requests (test_a_recomputed_request_frees_its_blocks_and_waits_in_front);
       - either way it leaves the running line and the batch (check_invariants).
     This stub always recomputes."""
-    self.events.record("preempt", request.seqs,
-                       sorted(distinct_blocks(request.seqs)),
-                       mode="recompute",
-                       why="")
+    self.block_manager.record("preempt", request.seqs,
+                              sorted(distinct_blocks(request.seqs)),
+                              mode="recompute",
+                              why="")
     self.running.remove(request)
     batch.remove(request)
-    self._recompute(request)
+    self.recompute(request)
     self.num_preemptions += 1
     return "recompute"
 '''

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
 
 import nanopaged
-from conftest import SEQ_IDS, assert_no_block_held, checked
-from nanopaged import LLM, CopyEngine, SamplingParams, ScheduledBatch, ScheduledSeq
+from conftest import SEQ_IDS, assert_no_block_held, checked, computed
+from nanopaged import LLM, BlockManager, CopyEngine, SamplingParams, ScheduledBatch, ScheduledSeq
 from test_properties import BLOCK_SIZE, BlockManagerMachine
 
 
@@ -328,3 +328,27 @@ def test_a_swapped_request_swaps_in_ahead_while_others_spend_the_step():
         llm.step()
     assert [llm.output(r).outputs[0].token_ids for r in request_ids] == want
     assert_no_block_held(llm)
+
+
+def test_write_through_follows_a_sequence_swapped_out_in_and_out_again():
+    """Write-ahead remembers how far it wrote each sequence's blocks, and the
+    last block's id (Sequence.written_through), not by the sequence object or its table: a
+    sequence swapped out and back in holds other device blocks (its table edited in place), and
+    they are written through again."""
+    bm = BlockManager(8, 4, num_cpu_blocks=8)
+    seq = computed(bm, list(range(13)))   # 3 full blocks, one partly filled
+    for _ in range(3):
+        bm.write_ahead()
+        # each full block it holds now, written down to the host, and no other
+        assert [c.src for c in bm.copies] == seq.block_table[:3]
+        assert {c.dst_tier.name for c in bm.copies} == {"host"}
+        bm.copies.clear()
+        bm.swap_out(seq)
+        bm.swap_in(seq)
+        # the blocks it left cached on the device and every copy below, lost: nothing else to
+        # write ahead, and no copy below stands in for its blocks
+        for pool in (bm.device, bm.host):
+            while pool.cached_block_ids:
+                bm._evict(pool, None)
+        bm.copies.clear()
+        bm.check_invariants()

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import assert_no_block_held, checked
-from kernel import dequantize, paged_attention_ref, quantize, random_case
-from kernel import store_kvcache
+from kernel import dequantize, paged_attention_ref, paged_attention_ref_int8, quantize, random_case
+from kernel import store_kvcache_int8
 from nanopaged import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -52,11 +52,11 @@ def test_quantize_keeps_finite_values_finite():
     assert torch.allclose(back[2, :2], x[2, :2], rtol=0.01)
 
 
-def test_store_kvcache_quantizes_into_exactly_the_given_slots():
+def test_store_kvcache_int8_quantizes_into_exactly_the_given_slots():
     k, v = torch.randn(2, 3, 2, 16)
     k_cache, v_cache = torch.zeros(2, 4, 4, 2, 20, dtype=torch.int8)   # 4 blocks of 4 slots
     slots = torch.tensor([5, 14, 3])
-    store_kvcache(k, v, k_cache, v_cache, slots)
+    store_kvcache_int8(k, v, k_cache, v_cache, slots)
     for cache, x in ((k_cache, k), (v_cache, v)):
         flat = cache.view(16, 2, 20)
         assert torch.equal(flat[slots], quantize(x))
@@ -69,14 +69,15 @@ def test_store_kvcache_quantizes_into_exactly_the_given_slots():
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_the_reference_on_int8_caches_is_attention_over_their_dequantized_values(block_size, group,
                                                                                head_dim):
-    """The reference dequantizes what it gathers: exactly attention over the dequantized caches,
-    and close to attention over the float caches they came from (INT8 costs accuracy, not much).
+    """The INT8 reference dequantizes the blocks it reads: exactly attention over the dequantized
+    caches, and close to attention over the float caches they came from (INT8 costs accuracy, not
+    much).
     The Triton kernel is held to it on INT8 caches in test_triton.py."""
     ctx_q = ((1, 1), (37, 1), (9, 9), (50, 13), (3 * block_size + 3, 7))
     q, k, v, *rest = random_case(block_size + group + head_dim, block_size, 2, group, head_dim,
                                  ctx_q)
     k8, v8 = quantize(k), quantize(v)
-    ref = paged_attention_ref(q, k8, v8, *rest)
+    ref = paged_attention_ref_int8(q, k8, v8, *rest)
     assert torch.equal(ref, paged_attention_ref(q, dequantize(k8, q.dtype), dequantize(v8, q.dtype),
                                                 *rest))
     exact = paged_attention_ref(q, k, v, *rest)

@@ -224,7 +224,7 @@ def test_a_second_sigint_at_every_line_of_the_recovery_leaves_the_engine_whole()
             seconds.setdefault(then, []).append((line, occurrence))
     where_to = [(line, occurrence, then) for then, firsts in seconds.items()
                 for line, occurrence in firsts[:2]]   # each line twice, after different firsts
-    recovery = [Undo.restore, nanopaged.rebuild_pool, nanopaged.abort]
+    recovery = [Undo.restore, nanopaged.BlockManager.rebuild_pool, LLM.abort]
     body = {line for f in recovery for line in lines_of(f)   # (blocking copies: no copy engine)
             if "copy_engine" not in linecache_line(line)}
     # and recovery()'s own, from its except clause on (the lines above it run as the block starts)
@@ -330,7 +330,7 @@ def test_an_undone_step_keeps_the_order_in_which_cached_blocks_are_evicted():
 def test_ctrl_c_acts_at_once_in_a_call_made_while_the_caller_handles_an_exception():
     """generate() called in an except block (a retry, say): a SIGINT in its second step interrupts
     that step, as anywhere else; the exception the caller handles is not a recovery to wait for."""
-    source, first = inspect.getsourcelines(LLM._step)
+    source, first = inspect.getsourcelines(nanopaged.Engine._step)
     line = first + next(i for i, text in enumerate(source) if "self.scheduler.schedule()" in text)
     llm = engine("swap", [])
     try:
@@ -480,19 +480,22 @@ def test_a_second_and_a_third_ctrl_c_wait_for_the_recovery(monkeypatch):
 # pools and their blocks), or kept apart (a sequence's token_ids, cut back to their number; its
 # block_hashes, which a step extends only over blocks whose tokens were all there before it; a
 # request's random streams, whose states are cloned), or counters (seq_ids, prefix_ids, clock:
-# an id handed out in an undone step is not handed out again, and every id stays unique)
+# an id handed out in an undone step is not handed out again, and every id stays unique), or
+# write-through's progress (written_through: after an undone step, at worst a block is not
+# written ahead, and its eviction writes it down instead)
 NOT_SAVED = {
     "LLM": "device dtype model tokenizer max_model_len kv_cache kv_caches copier copy_engine "
            "on_step events block_manager scheduler seed request_ids requests",
-    "Scheduler": "block_manager events eos_token_ids max_num_seqs max_num_batched_tokens "
+    "Scheduler": "block_manager eos_token_ids max_num_seqs max_num_batched_tokens "
                  "preemption_mode watermark_blocks seq_ids",
-    "PriorityScheduler": "block_manager events eos_token_ids max_num_seqs max_num_batched_tokens "
+    "PriorityScheduler": "block_manager eos_token_ids max_num_seqs max_num_batched_tokens "
                          "preemption_mode watermark_blocks aging_steps seq_ids",
     "BlockManager": "num_blocks block_size enable_prefix_caching events cost tiers device host "
                     "disk prefix_ids clock evicted",
     "EventLog": "",
     "Request": "request_id params priority prompt_token_ids generators arrival_time",
-    "Sequence": "seq_id request_id index token_ids num_prompt_tokens block_hashes",
+    "Sequence": "seq_id request_id index token_ids num_prompt_tokens block_hashes "
+                "written_through",
     "Pool": "name blocks empty_block_ids cached_block_ids hash_to_block_ids seqs",
     "Block": "block_id ref_count cached_at hash token_ids prefix_id parent_prefix_id hits",
 }

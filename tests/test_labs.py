@@ -35,7 +35,7 @@ def project_text(name):
 WRONG = {
     "a lookup that ignores the cost rule": (
         "prefix-cache",
-        [("tiers = [t for t in self.tiers if worth_loading(self, t)]", "tiers = self.tiers")],
+        [("tiers = [t for t in self.tiers if self.worth_loading(t)]", "tiers = self.tiers")],
         ["test_a_tier_not_worth_loading_from_is_not_searched"]),
     "a swap that registers no copy": (
         "preemption",
@@ -46,7 +46,7 @@ WRONG = {
         ["test_a_swap_registers_the_copies_of_registered_blocks"]),
     "an eviction that never writes down nor remembers, a free that ignores coming_back": (
         "eviction",
-        [("write_down_or_lose(self, pool, pool.blocks[block_id], seq)   # (section 8)",
+        [("self.write_down_or_lose(pool, pool.blocks[block_id], seq)",
           'self.counts["num_evictions"] += 1'),
          ("""            if coming_back and block.ref_count == 1:
                 # by its last holder: once

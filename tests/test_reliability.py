@@ -107,7 +107,7 @@ def test_swap_out_and_in_keeps_kv_and_continues_exactly(async_copies):
         llm.copy_engine.start(llm, batch)
         llm.copy_engine.wait(set(llm.copy_engine.started))
     else:
-        llm.copy_blocks()
+        llm._make_copies(batch)
     distinct = len({b for s in seqs for b in s.block_table})
     assert len(copies) == distinct and {(c[0].name, c[2].name) for c in copies} == {("device", "host")}   # each distinct block moved once: sharing survives
     assert seqs[0].block_table[:5] == seqs[1].block_table[:5]
@@ -136,11 +136,11 @@ def test_swapped_in_kv_equals_swapped_out_kv():
     before = kv_of(llm, seq)
     batch = ScheduledBatch(budget=2048)
     llm.scheduler.preempt(request, batch, mode="swap")
-    llm.copy_blocks()
+    llm._make_copies(batch)
     llm.kv_cache.normal_()   # whatever the device pool held is gone
     batch = llm.scheduler.schedule()
     assert [c for c in llm.block_manager.copies if c[0].name == "host"] and seq in [e.seq for e in batch.entries]
-    llm.copy_blocks()
+    llm._make_copies(batch)
     assert torch.equal(kv_of(llm, seq), before)
 
 

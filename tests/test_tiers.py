@@ -458,13 +458,13 @@ def test_ctrl_c_between_copies_of_loads_and_write_downs_leaves_the_engine_whole(
 
         llm.copy_engine.start = start_tripped
     else:   # the step's copies are made at once
-        copy_blocks = llm.copy_blocks
+        make_copies = llm._make_copies
 
-        def copy_blocks_tripped():
+        def make_copies_tripped(batch):
             arm()
-            copy_blocks()
+            return make_copies(batch)
 
-        llm.copy_blocks = copy_blocks_tripped
+        llm._make_copies = make_copies_tripped
     with pytest.raises((KeyboardInterrupt, RuntimeError) if async_copies else KeyboardInterrupt):
         chat(llm)
     assert seen and len(seen[0]) >= 2   # one copy made, the next not
@@ -690,7 +690,7 @@ def test_a_dropped_block_hands_its_hits_to_its_copy_below():
     prompts that found it count on in the copy: a block found less often cannot evict it."""
     bm = BlockManager(2, BS, num_cpu_blocks=1)
     cached(bm, toks(0, 4))                            # A on the device
-    nanopaged.write_ahead(bm, {})                     # A's copy on the host, found by nobody yet
+    bm.write_ahead()                     # A's copy on the host, found by nobody yet
     for i in range(5):
         cached(bm, toks(0, 4) + [100 + i])            # five prompts find A on the device
     forget(bm)

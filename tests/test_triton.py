@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from conftest import assert_no_block_held, checked
-from kernel import paged_attention_ref, paged_attention_triton, quantize, random_case
+from kernel import (paged_attention_ref, paged_attention_ref_int8, paged_attention_triton, quantize,
+                    random_case)
 from nanopaged import LLM, SamplingParams
 
 
@@ -37,7 +38,7 @@ def test_triton_matches_reference(block_size, group, head_dim, num_kv_splits, kv
     q = case[0]
     poisoned = torch.full_like(q, float("nan"))
     out = paged_attention_triton(*case, max_query_len=max(n for _, n in ctx_q), num_kv_splits=num_kv_splits, out=poisoned)
-    ref = paged_attention_ref(*case)
+    ref = (paged_attention_ref_int8 if kv_cache_dtype == "int8" else paged_attention_ref)(*case)
     assert not out.isnan().any(), "the kernel left outputs unwritten"
     rel = ((out - ref).abs().max() / ref.abs().max()).item()
     assert rel < 1e-4, f"relative error {rel:.2e} for {ctx_q}"

@@ -314,17 +314,17 @@ def test_the_trace_tells_loads_and_write_downs_in_the_order_their_copies_are_mad
     for name in ("tiers", "mix", "preempt"):
         llm = checked(LLM("random:tiny", block_size=4, **demo_pool(name, 4)))
         queued, told = [], []
-        make_copies = llm.copy_blocks   # (the demos copy blocking)
+        make_copies = llm._make_copies   # (the demos copy blocking)
 
-        def copy_blocks():   # the step's queue, as the engine makes it
+        def copies_queued(batch):   # the step's queue, as the engine makes it
             queued.append([(a.name, b, c.name, d) for a, b, c, d in llm.block_manager.copies])
-            make_copies()
+            return make_copies(batch)
 
         def tell(report):
             told.append([(e.tier.name, e.block_ids[0], e.to_tier.name,
                           e.to_ids[0]) for e in report.events if e.kind in ("load", "write down")])
 
-        llm.copy_blocks = copy_blocks
+        llm._make_copies = copies_queued
         llm.on_step.append(tell)
         run_arrivals(llm, demo_arrivals(name, llm))
         for copies, events in zip(queued, told):
