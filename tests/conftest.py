@@ -17,9 +17,9 @@ torch.set_num_threads(2)
 # ids for the sequences tests make outside an engine (an engine counts its own: Scheduler.seq_ids)
 SEQ_IDS = itertools.count()
 
-# A lab's test (tests/test_lab_*.py) that runs past this many seconds fails, named, so that a
-# handout whose code loops forever is graded in minutes, not hung (tests/labs.py grade --timeout
-# sets another limit, through NANOPAGED_LAB_TIMEOUT)
+# A lab's test (tests/labs/test_lab_*.py) that runs past this many seconds fails, named, so that
+# a handout whose code loops forever is graded in minutes, not hung (tests/labs/labs.py grade
+# --timeout sets another limit, through NANOPAGED_LAB_TIMEOUT)
 LAB_TIMEOUT = float(os.environ.get("NANOPAGED_LAB_TIMEOUT", 20))
 
 

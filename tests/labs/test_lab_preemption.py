@@ -12,7 +12,7 @@ the victim's state after either mode, the K/V a swap carries out to the host and
 request finishing with all blocks free. On BlockManager alone: blocks two sequences share are
 swapped once, and stay shared on the host and back on the device.
 
-    python tests/labs.py grade preemption
+    python tests/labs/labs.py grade preemption
 """
 import torch
 
