@@ -451,7 +451,7 @@ class Result:
 def run_labs(labs, root=ROOT, quiet=True, timeout=20):
     """Run labs' tests in root, all in one pytest process: {lab name: Result}. quiet=False
     shows pytest's report (each failure's message) as it runs; a test that runs past timeout
-    seconds fails (tests/conftest.py)."""
+    seconds fails (tests/labs/conftest.py)."""
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "report.xml")
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",

@@ -16,7 +16,7 @@ from collections import deque
 import torch
 
 from conftest import assert_no_block_held, checked, hf_greedy
-from labs import plural
+from labs.labs import plural
 from kernel import paged_attention_ref
 from model import load_hf
 from nanopaged import LLM, SamplingParams

@@ -15,7 +15,7 @@ writer, none for full blocks or for the last holder, and the copied K/V equal to
 import torch
 
 from conftest import SEQ_IDS, assert_no_block_held, computed, step_without_model
-from labs import plural
+from labs.labs import plural
 from nanopaged import LLM, BlockCopy, BlockManager, SamplingParams, Sequence
 
 

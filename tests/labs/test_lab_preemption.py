@@ -17,7 +17,7 @@ swapped once, and stay shared on the host and back on the device.
 import torch
 
 from conftest import SEQ_IDS, assert_no_block_held, computed, step_without_model
-from labs import plural
+from labs.labs import plural
 from nanopaged import LLM, BlockManager, RequestStatus, SamplingParams, Sequence
 
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]   # a block each; a decode needs one more

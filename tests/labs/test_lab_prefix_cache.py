@@ -14,7 +14,7 @@ down to the host tier are found there and loaded, unless a swapped-out request h
 import random
 
 from conftest import SEQ_IDS, computed
-from labs import plural
+from labs.labs import plural
 from nanopaged import BlockManager, CostModel, Sequence
 
 

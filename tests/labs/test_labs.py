@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-import labs
+from labs import labs
 
 LAB_IDS = [lab.name for lab in labs.LABS]
 
