@@ -1,7 +1,6 @@
 """Shared helpers: run an engine with its invariants checked after every step, and the transformers oracle."""
 import itertools
 import os
-import signal
 import sys
 
 # the Triton kernel runs on the CPU through Triton's interpreter (set before anything imports triton)
@@ -16,34 +15,6 @@ torch.set_num_threads(2)
 
 # ids for the sequences tests make outside an engine (an engine counts its own: Scheduler.seq_ids)
 SEQ_IDS = itertools.count()
-
-# A lab's test (tests/test_lab_*.py) that runs past this many seconds fails, named, so that a
-# handout whose code loops forever is graded in minutes, not hung (tests/labs.py grade --timeout
-# sets another limit, through NANOPAGED_LAB_TIMEOUT)
-LAB_TIMEOUT = float(os.environ.get("NANOPAGED_LAB_TIMEOUT", 20))
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item):
-    """Each lab test runs under a SIGALRM timer of LAB_TIMEOUT seconds (its body; module fixtures
-    are set up before): past it, it fails with a TimeoutError naming it. The timer goes off again
-    every LAB_TIMEOUT seconds until the test ends: code that swallows an exception (a library's
-    `except Exception`) cannot keep a loop going."""
-    timed = item.module.__name__.startswith("test_lab_") and hasattr(signal, "setitimer")
-
-    def ran_past(signum, frame):
-        raise TimeoutError(f"{item.name} ran past {LAB_TIMEOUT:g} s: does a loop never end?")
-
-    if timed:
-        previous = signal.signal(signal.SIGALRM, ran_past)
-        signal.setitimer(signal.ITIMER_REAL, LAB_TIMEOUT, LAB_TIMEOUT)
-    try:
-        yield
-    finally:
-        if timed:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, previous)
-
 
 def computed(bm, tokens):
     """A prompt as the engine computes it: allocated, every token computed, its full blocks

@@ -12,12 +12,12 @@ the victim's state after either mode, the K/V a swap carries out to the host and
 request finishing with all blocks free. On BlockManager alone: blocks two sequences share are
 swapped once, and stay shared on the host and back on the device.
 
-    python tests/labs.py grade preemption
+    python tests/labs/labs.py grade preemption
 """
 import torch
 
 from conftest import SEQ_IDS, assert_no_block_held, computed, step_without_model
-from labs import plural
+from labs.labs import plural
 from nanopaged import LLM, BlockManager, RequestStatus, SamplingParams, Sequence
 
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]   # a block each; a decode needs one more

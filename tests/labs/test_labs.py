@@ -1,12 +1,12 @@
 """
-The labs hold (tests/labs.py): grading the project passes every lab; each lab's fresh handout
+The labs hold (tests/labs/labs.py): grading the project passes every lab; each lab's fresh handout
 fails its own lab, naming the mechanism, and passes every other; the solution pasted back into a
 handout is the project byte for byte, and passes.
 
 Each handout's labs run in one pytest process, all handouts at once, two at a time: the labs'
 tests are small, a process's start (torch, transformers) is most of the time.
 
-    python -m pytest -q tests/test_labs.py
+    python -m pytest -q tests/labs/test_labs.py
 """
 import ast
 import concurrent.futures
@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-import labs
+from labs import labs
 
 LAB_IDS = [lab.name for lab in labs.LABS]
 
@@ -196,8 +196,9 @@ def test_a_test_that_loops_forever_fails_named_once_past_its_limit(graded):
 
 
 def test_the_command_line_lists_every_lab():
-    """`python tests/labs.py` prints one line per lab, naming it and what the student writes."""
-    out = subprocess.run(["python", os.path.join(labs.ROOT, "tests", "labs.py")],
+    """`python tests/labs/labs.py` prints one line per lab, naming it and what the student
+    writes."""
+    out = subprocess.run(["python", os.path.join(labs.ROOT, "tests", "labs", "labs.py")],
                          capture_output=True, text=True, check=True).stdout.splitlines()
     assert [line.split()[0] for line in out] == LAB_IDS
 
@@ -217,24 +218,24 @@ def solution_code(lab):
 
 
 def test_a_handouts_labs_py_holds_no_solution_code(tmp_path):
-    """tests/labs.py goes out with every handout, as is (one handout stands for all): neither its
-    lines nor its strings (joined, as Python joins "a" "b") hold a line of any lab's solution
+    """tests/labs/labs.py goes out with every handout, as is (one handout stands for all): neither
+    its lines nor its strings (joined, as Python joins "a" "b") hold a line of any lab's solution
     (short ones, `break`, `else:`, are anybody's)."""
     labs.make_handout(labs.LABS[0], str(tmp_path))
-    text = labs.read(tmp_path / "tests" / "labs.py")
+    text = labs.read(tmp_path / "tests" / "labs" / "labs.py")
     strings = [node.value for node in ast.walk(ast.parse(text))
                if isinstance(node, ast.Constant) and isinstance(node.value, str)]
     handout = "\n".join([text, *strings])
     for lab in labs.LABS:
         leaked = sorted(line for line in solution_code(lab) if len(line) > 12 and line in handout)
-        assert not leaked, f"a handout's tests/labs.py holds lab {lab.name}'s {leaked}"
+        assert not leaked, f"a handout's tests/labs/labs.py holds lab {lab.name}'s {leaked}"
 
 
 def test_a_handout_into_a_folder_not_empty_is_refused_as_bad_input(tmp_path):
     """`handout LAB DIR` with DIR holding files: argparse's one-line error, exit status 2, and
     nothing written."""
     (tmp_path / "notes.txt").write_text("mine")
-    run = subprocess.run(["python", os.path.join(labs.ROOT, "tests", "labs.py"), "handout",
+    run = subprocess.run(["python", os.path.join(labs.ROOT, "tests", "labs", "labs.py"), "handout",
                           "eviction", str(tmp_path)], capture_output=True, text=True)
     assert run.returncode == 2, run.stderr
     assert run.stderr.splitlines()[-1] == (f"labs.py: error: {tmp_path} is not an empty folder: a "

@@ -7,9 +7,9 @@ the mechanism (random:tiny or no model, under a minute) and says which invariant
 block, at which step. A test that runs past a limit (20 s; the slowest takes some 4) fails,
 named: a loop that never ends costs seconds, not the grade.
 
-    python tests/labs.py                          the labs, one line each, in the order to take them
-    python tests/labs.py handout LAB DIR          DIR: a copy of the project with LAB's stub in
-    python tests/labs.py grade LAB [DIR]          LAB's tests in DIR (default: this project)
+    python tests/labs/labs.py                     the labs, one line each, in the order to take them
+    python tests/labs/labs.py handout LAB DIR     DIR: a copy of the project with LAB's stub in
+    python tests/labs/labs.py grade LAB [DIR]     LAB's tests in DIR (default: this project)
 
 Where a lab's code is: each region is marked in the engine by one comment line directly above
 it, `# lab NAME: below, WHAT`; the region is the statement (a def, an if, a loop, an assignment)
@@ -32,7 +32,7 @@ import xml.etree.ElementTree as ET
 from collections import namedtuple
 from dataclasses import dataclass
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # the files that hold the labs' regions
 ENGINE_FILES = ["nanopaged.py", "kernel.py", "model.py"]
 MARKER = "# lab "
@@ -50,7 +50,7 @@ def _cache_hits(self, seq):
     """[(tier, block)] holding seq's prefix, found by one walk along its hash chain, each
     where it is (below the device: if loading it beats recomputing, section 8).
 
-    Lab prefix-cache. What must hold, and the test of tests/test_lab_prefix_cache.py that
+    Lab prefix-cache. What must hold, and the test of tests/labs/test_lab_prefix_cache.py that
     checks it:
       - a hit is a prefix of whole blocks: block i is found only if blocks 0 to i - 1 were
         (test_the_chain_stops_at_the_first_miss, and ..._though_its_parent_prefix_matches);
@@ -75,7 +75,8 @@ EVICT_OLDEST = '''
 def _evict(self, pool, seq):
     """Take one of pool's cached blocks out of the prefix cache, emptied (a block for seq).
 
-    Lab eviction. What must hold, and the test of tests/test_lab_eviction.py that checks it:
+    Lab eviction. What must hold, and the test of tests/labs/test_lab_eviction.py that
+    checks it:
       - the victim is the cached block freed longest ago (LRU); pool.cached_block_ids keeps
         the order _cache added them in (test_empty_blocks_go_before_cached_ones_then_the_
         oldest_cached, test_evictions_follow_a_plain_lru_list);
@@ -96,7 +97,8 @@ def free(self, seq, coming_back=False):
     """Drop seq's hold on its blocks, in whichever pool its table points into.
     coming_back: seq was preempted, to be recomputed.
 
-    Lab eviction. What must hold, and the test of tests/test_lab_eviction.py that checks it:
+    Lab eviction. What must hold, and the test of tests/labs/test_lab_eviction.py that
+    checks it:
       - the blocks go back in the order that gets seq's tail evicted before its prefix, which
         other requests are likelier to share (test_free_releases_the_tail_first,
         test_evictions_follow_a_plain_lru_list);
@@ -120,7 +122,7 @@ def fork(self, parent, child, num_blocks=None):
     """child shares parent's first num_blocks blocks (all by default); fresh blocks hold the
     rest (a recomputed sample's, section 8).
 
-    Lab copy-on-write. What must hold, and the test of tests/test_lab_copy_on_write.py that
+    Lab copy-on-write. What must hold, and the test of tests/labs/test_lab_copy_on_write.py that
     checks it:
       - the shared blocks are held once more, no K/V copied, no free block taken; their
         tokens count as computed in child; the trace tells it (a "fork" event)
@@ -147,7 +149,7 @@ if self._needs_new_block(seq):
 elif self._needs_copy(seq):
     # Lab copy-on-write: seq's last block is shared (ref_count > 1), partly filled, and
     # seq is about to write into it. What must hold, and the test of
-    # tests/test_lab_copy_on_write.py that checks it:
+    # tests/labs/test_lab_copy_on_write.py that checks it:
     #   - seq writes a block of its own holding a copy of the shared block's K/V, made
     #     before the model runs; the others keep the original, one holder fewer; the
     #     call returns (src, dst); the trace tells it (a "copy" event); num_cow_copies
@@ -165,7 +167,7 @@ def _move(self, seqs, src, dst, kind, counter):
     """Repoint seqs' tables from src to dst, a dst block per distinct block, and count the
     blocks moved under the metric named counter. Returns [(src block, dst block)].
 
-    Lab preemption. What must hold, and the test of tests/test_lab_preemption.py that
+    Lab preemption. What must hold, and the test of tests/labs/test_lab_preemption.py that
     checks it:
       - each distinct block is copied once, so that the blocks seqs share stay shared, with
         their ref_counts (test_a_swap_moves_a_shared_block_once_and_it_stays_shared);
@@ -183,7 +185,7 @@ def _move(self, seqs, src, dst, kind, counter):
 
 PREEMPT_VICTIM = '''
 # Lab preemption: seq (of request) is short of a block. What must
-# hold, and the test of tests/test_lab_preemption.py that checks
+# hold, and the test of tests/labs/test_lab_preemption.py that checks
 # it: the victim is the running request ranked last, again and
 # again until seq can append or its own request gave its blocks
 # back (test_the_victim_is_the_last_running_request_in_rank).
@@ -199,7 +201,7 @@ def preempt(self, request, batch, mode=None):
     where it was, or freed (the prefix cache may keep much), to be recomputed, in front.
     Returns the mode.
 
-    Lab preemption. What must hold, and the test of tests/test_lab_preemption.py that
+    Lab preemption. What must hold, and the test of tests/labs/test_lab_preemption.py that
     checks it:
       - the mode is the one given, else _choose_mode's (test_with_no_room_on_the_host_a_swap_
         recomputes);
@@ -226,9 +228,9 @@ def preempt(self, request, batch, mode=None):
 SLOT_MAPPING = '''
 # Lab block-table: the slots where the model writes the K/V of seq's positions start to
 # end - 1, appended to batch.slot_mapping in order. What must hold, and the test of
-# tests/test_lab_block_table.py that checks it: position p lives in seq's logical block
-# p // block_size at offset p % block_size; its slot numbers that place in the pool, a
-# block's slots one after another (test_the_slot_mapping_of_a_known_block_table,
+# tests/labs/test_lab_block_table.py that checks it: position p lives in seq's logical
+# block p // block_size at offset p % block_size; its slot numbers that place in the
+# pool, a block's slots one after another (test_the_slot_mapping_of_a_known_block_table,
 # test_paged_greedy_tokens_equal_the_dense_models).
 raise NotImplementedError("lab block-table: write the slot mapping in "
                           "LLM._prepare (nanopaged.py)")
@@ -238,7 +240,7 @@ GATHER = '''
 # Lab block-table: k and v, (seqs, kv_heads, ctx, dim), each context of the group in
 # order, read from the pool through the block tables (ids: the group's tables,
 # flattened; the mask hides the slots past a context's end). What must hold, and the
-# test of tests/test_lab_block_table.py that checks it: position j of the i-th
+# test of tests/labs/test_lab_block_table.py that checks it: position j of the i-th
 # sequence's context is slot j % block_size of its logical block j // block_size
 # (test_reference_attention_reads_every_context_through_its_block_table,
 # test_paged_greedy_tokens_equal_the_dense_models).
@@ -257,7 +259,7 @@ class Lab:
 
     @property
     def test_file(self):
-        return f"tests/test_lab_{self.name.replace('-', '_')}.py"
+        return f"tests/labs/test_lab_{self.name.replace('-', '_')}.py"
 
 
 LABS = [
@@ -449,7 +451,7 @@ class Result:
 def run_labs(labs, root=ROOT, quiet=True, timeout=20):
     """Run labs' tests in root, all in one pytest process: {lab name: Result}. quiet=False
     shows pytest's report (each failure's message) as it runs; a test that runs past timeout
-    seconds fails (tests/conftest.py)."""
+    seconds fails (tests/labs/conftest.py)."""
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "report.xml")
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
@@ -509,11 +511,11 @@ def main(argv=None):
         print(f"{args.dir}: the project, with {lab.mechanism} stubbed out in "
               f"{', '.join(changed)}")
         print(f"write {lab.writes}; the stubs say what. Then grade it:")
-        print(f"    cd {args.dir} && python tests/labs.py grade {lab.name}")
+        print(f"    cd {args.dir} && python tests/labs/labs.py grade {lab.name}")
         return 0
     if args.command == "grade":
-        if not os.path.isdir(os.path.join(args.dir, "tests")):
-            parser.error(f"{args.dir} has no tests/ folder: give a handout's folder")
+        if not os.path.isdir(os.path.join(args.dir, "tests", "labs")):
+            parser.error(f"{args.dir} has no tests/labs/ folder: give a handout's folder")
         if not 0 < args.timeout <= 3600:
             parser.error(f"--timeout must be a number of seconds in (0, 3600], got {args.timeout}")
         return 0 if grade(LAB_NAMES[args.lab], os.path.abspath(args.dir),

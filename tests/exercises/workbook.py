@@ -1,18 +1,20 @@
 """The workbook: every trace the README's exercises ask for, printed from one process, so the model
 loads once (each command run alone loads it again: some 20 s on 2 cores).
 
-    python tests/workbook.py > workbook.txt     # every exercise's traces: every demo's, and more
-    python tests/workbook.py 7 9                # exercises 7 and 9 alone
+    python tests/exercises/workbook.py > workbook.txt   # every exercise's traces: every
+                                                        # demo's, and more
+    python tests/exercises/workbook.py 7 9              # exercises 7 and 9 alone
 
 Each trace comes under the command that prints it alone. The answers are tests:
-tests/test_exercises.py, one `test_exercise_N_...` an exercise, its explanation the docstring."""
+tests/exercises/test_exercises.py, one `test_exercise_N_...` an exercise, its explanation the
+docstring."""
 import argparse
 import contextlib
 import io
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import nanopaged  # noqa: E402
 
 # exercise -> the flags of each command it runs (each with --trace), as the README gives them
@@ -59,7 +61,7 @@ def exercises_asked(argv=None):
     """The exercises the command line asks for, in its order; all of them for none."""
     parser = argparse.ArgumentParser(
         description="Every trace the README's exercises ask for, from one process (the model "
-                    "loads once); the answers are tests/test_exercises.py.")
+                    "loads once); the answers are tests/exercises/test_exercises.py.")
     parser.add_argument("exercises", nargs="*", type=exercise, metavar="N",
                         help=f"exercises to print, 1 to {len(EXERCISES)} (default: all)")
     return parser.parse_args(argv).exercises or list(EXERCISES)

@@ -9,12 +9,12 @@ of its tokens count as cached, against a brute-force search over every prefix co
 collisions never hand out a wrong block; a block somebody holds is the one shared; blocks written
 down to the host tier are found there and loaded, unless a swapped-out request holds them.
 
-    python tests/labs.py grade prefix-cache
+    python tests/labs/labs.py grade prefix-cache
 """
 import random
 
 from conftest import SEQ_IDS, computed
-from labs import plural
+from labs.labs import plural
 from nanopaged import BlockManager, CostModel, Sequence
 
 

@@ -10,12 +10,12 @@ What the tests pin, on BlockManager alone and on an engine stepped without a mod
 shared and their ref_counts after a fork, the one copy a shared last block costs its first
 writer, none for full blocks or for the last holder, and the copied K/V equal to the original's.
 
-    python tests/labs.py grade copy-on-write
+    python tests/labs/labs.py grade copy-on-write
 """
 import torch
 
 from conftest import SEQ_IDS, assert_no_block_held, computed, step_without_model
-from labs import plural
+from labs.labs import plural
 from nanopaged import LLM, BlockCopy, BlockManager, SamplingParams, Sequence
 
 

@@ -9,14 +9,14 @@ What the tests pin, on random:tiny: the slots of a known table, a prefill's and 
 reference attention against dense attention over K/V gathered one position at a time; the paged
 engine's greedy tokens against the dense model's (transformers', no cache pages at all).
 
-    python tests/labs.py grade block-table
+    python tests/labs/labs.py grade block-table
 """
 from collections import deque
 
 import torch
 
 from conftest import assert_no_block_held, checked, hf_greedy
-from labs import plural
+from labs.labs import plural
 from kernel import paged_attention_ref
 from model import load_hf
 from nanopaged import LLM, SamplingParams

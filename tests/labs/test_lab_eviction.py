@@ -7,7 +7,7 @@ block freed longest ago, taken only when no empty block is left.
 What the tests pin, on BlockManager alone (no model): the cached blocks' order after each free and
 which blocks each allocation evicts, against a plain list kept by the test (the simple LRU).
 
-    python tests/labs.py grade eviction
+    python tests/labs/labs.py grade eviction
 """
 import random
 

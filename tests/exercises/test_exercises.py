@@ -1,9 +1,9 @@
 """The answers to the README's exercises, as tests: `test_exercise_N_...` runs exercise N's commands
-(in this process, through tests/workbook.py: the default model loads once) and asserts what the
-answer says, read from the trace as a student reads it; its docstring is the explanation.
+(in this process, through tests/exercises/workbook.py: the default model loads once) and asserts
+what the answer says, read from the trace as a student reads it; its docstring is the explanation.
 
-Read an answer after trying the exercise: `python tests/workbook.py N` prints its traces. An answer
-cannot go stale: a change to the engine or the demos that changes one fails its test."""
+Read an answer after trying the exercise: `python tests/exercises/workbook.py N` prints its traces.
+An answer cannot go stale: a change to the engine or the demos that changes one fails its test."""
 import ast
 import functools
 import re
@@ -325,8 +325,8 @@ def test_the_demos_speak_to_the_model_as_a_chat(monkeypatch):
 
 
 def test_the_workbook_prints_its_usage():
-    """`python tests/workbook.py --help` prints a usage naming the exercises, exit status 0 (no
-    traceback); an exercise that is not one is a usage and one line, exit status 2; no number
+    """`python tests/exercises/workbook.py --help` prints a usage naming the exercises, exit status
+    0 (no traceback); an exercise that is not one is a usage and one line, exit status 2; no number
     asks for every exercise, numbers for those, in their order."""
     import os
     import subprocess
