@@ -226,30 +226,25 @@ class Llama(nn.Module):
 from kernel import paged_attention, store_kvcache_int8   # noqa: E402
 
 class Linear(nn.Linear):
-    """nn.Linear, but on a CPU in float32 not through MKL's sgemm, which nn.Linear takes. All the
-    default model's weights, on this project's machines (AMD EPYC, AVX-512, 2 threads), took:
+    """nn.Linear, but on a CPU in float32 a decode batch of fewer than 8 rows goes through MKL's
+    other layout, W @ x.T, one row padded to two (its matrix-vector path is 2x slower), the
+    result made contiguous as nn.Linear's (the Triton kernel reads a head's values as one row).
+    All the default model's weights, on this project's machines (AMD EPYC, AVX-512, 2 threads):
 
         rows             1     2     4    20    32   256
         nn.Linear (MKL) 43    77    62    90   110   430 ms
-        oneDNN          26    29    34    55    65   355 ms
         (W @ x.T).T     16    17    24    73    81   390 ms   (one row: padded to two)
 
-    So 8 rows and more (prefill, big decode batches) go to oneDNN (torch's mkldnn; vLLM's CPU
-    backend builds on oneDNN too), which picks its kernels by the instruction set; fewer (small
-    decode batches) to MKL's other layout, one row padded to two (its matrix-vector path is 2x
-    slower), the result made contiguous as nn.Linear's (the Triton kernel reads a head's values
-    as one row). The engine: ~1.2x faster. Same sums in another order: results within float32
-    rounding (greedy tokens as transformers', tests and bench)."""
+    8 rows and more (prefill, big decode batches) stay with nn.Linear: oneDNN (torch's private
+    mkldnn op) was faster per call there, but bench.py's throughput experiment on the default
+    model ran only 2.5% faster with it (124.0 against 120.9 tokens/s, the best of two runs
+    each), not worth a private op. Same sums in another order: results within float32 rounding
+    (greedy tokens as transformers', tests and bench)."""
 
     # x: (num_tokens, in_features) -> (num_tokens, out_features)
     def forward(self, x):
-        if not (x.is_cpu
-                and x.dtype == torch.float32
-                and torch.backends.mkldnn.is_available()):
+        if not (x.is_cpu and x.dtype == torch.float32) or len(x) >= 8:
             return super().forward(x)
-        if len(x) >= 8:
-            return torch.ops.mkldnn._linear_pointwise(
-                x, self.weight, self.bias, "none", [], "")
         rows = torch.cat([x, x]) if len(x) == 1 else x
         return (self.weight @ rows.T)[:, :len(x)].T.contiguous()
 

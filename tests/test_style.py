@@ -1,8 +1,8 @@
 """The code reads as the design asks, measured as ../shared/tools/reading-path measures it: size in
 tokens (Python's own: names, operators, literals; not comments, docstrings, blank lines or
 indentation), so packing buys nothing: the reading path (nanopaged.py, model.py and kernel.py down
-to the line that marks its end) at most 10,000 tokens, the four .py files at most 27,300 (issue
-55's budget); no file denser than the models
+to the line that marks its end) at most 10,000 tokens, the four .py files at most 28,800 (issue
+56's budget); no file denser than the models
 (nanopaged.py and bench.py at most 9.5 tokens a code line, model.py and kernel.py 11); at most 20%
 of a file's code lines 80 columns or wider; no line over 100 characters; every statement on a line
 of its own; none of the tricks the design rules out."""
@@ -64,7 +64,8 @@ def reading_path(text):
 
 
 def test_the_reading_path_is_marked_and_holds_at_most_10000_tokens():
-    """Each of the three files marks where a first reading ends; above the marks, 10,000 tokens."""
+    """Each of the three files marks where a first reading ends; above the marks, 10,000 tokens
+    (9,805 with issue 56: nanopaged.py 6,781, model.py 1,252, kernel.py 1,772)."""
     paths = {name: reading_path(source(name)) for name in READING_PATH}
     assert None not in paths.values(), f"a file without a '{END_MARK}' line: {list(paths)}"
     tokens = {name: code_tokens(text) for name, text in paths.items()}
@@ -72,8 +73,9 @@ def test_the_reading_path_is_marked_and_holds_at_most_10000_tokens():
 
 
 def test_the_four_files_hold_at_most_28800_tokens():
-    """nanopaged.py, kernel.py, model.py and bench.py together hold at most 27,300 tokens (issue
-    55's budget; 27,000 with issue 49, 26,800 with issue 48)."""
+    """nanopaged.py, kernel.py, model.py and bench.py together hold at most 28,800 tokens (issue
+    56's budget; 28,758 with it: nanopaged.py 19,916, kernel.py 3,417, model.py 2,298, bench.py
+    3,127; 27,300 with issue 55, 27,000 with issue 49)."""
     tokens = {name: code_tokens(source(name)) for name in FILES}
     assert sum(tokens.values()) <= 28800, tokens
 

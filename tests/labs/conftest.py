@@ -5,6 +5,13 @@ import signal
 
 import pytest
 
+import model
+
+# The random model's code loaded before any timer starts: a timer that went off in the middle of
+# a first import (transformers' model classes, torch's compiler) would leave it half-loaded, and
+# every later test would fail on it, not on the lab
+model.load_weights("random:tiny", 0)   # (as LLM("random:tiny") asks, cached)
+
 # A lab's test (tests/labs/test_lab_*.py) that runs past this many seconds fails, named, so that
 # a handout whose code loops forever is graded in minutes, not hung (tests/labs/labs.py grade
 # --timeout sets another limit, through NANOPAGED_LAB_TIMEOUT)

@@ -159,7 +159,7 @@ elif self._needs_copy(seq):
     #     its_last_block_with_its_kv).
     # Reached only once fork shares blocks.
     raise NotImplementedError("lab copy-on-write: write the copy-on-write branch of "
-                              "BlockManager.append_slot (nanopaged.py)")
+                              "KVCacheManager.append_slot (nanopaged.py)")
 '''
 
 SWAP_MOVE = '''
@@ -179,7 +179,7 @@ def _move(self, seqs, src, dst, kind, counter):
         (test_a_swap_registers_the_copies_of_registered_blocks);
       - seqs live in dst's pool after (dst.seqs; check_invariants, in every test).
     At hand: _get_new_block, _register, _hold, _release. Reached only once preempt swaps."""
-    raise NotImplementedError("lab preemption: write BlockManager._move (nanopaged.py), "
+    raise NotImplementedError("lab preemption: write KVCacheManager._move (nanopaged.py), "
                               "which swap_out and swap_in call")
 '''
 
@@ -233,7 +233,7 @@ SLOT_MAPPING = '''
 # pool, a block's slots one after another (test_the_slot_mapping_of_a_known_block_table,
 # test_paged_greedy_tokens_equal_the_dense_models).
 raise NotImplementedError("lab block-table: write the slot mapping in "
-                          "LLM._prepare (nanopaged.py)")
+                          "Engine._prepare (nanopaged.py)")
 '''
 
 GATHER = '''
@@ -264,22 +264,22 @@ class Lab:
 
 LABS = [
     Lab("block-table", "the block table and the slot mapping",
-        "LLM._prepare's slot mapping (nanopaged.py), paged_attention_ref's gather (kernel.py)",
+        "Engine._prepare's slot mapping (nanopaged.py), paged_attention_ref's gather (kernel.py)",
         {"the slot mapping": SLOT_MAPPING,
          "the gather through the block tables": GATHER}),
     Lab("prefix-cache", "the hash-chain lookup",
-        "BlockManager._cache_hits (nanopaged.py)",
+        "KVCacheManager._cache_hits (nanopaged.py)",
         {"the walk along the hash chain": PREFIX_CACHE_LOOKUP}),
     Lab("copy-on-write", "fork and copy-on-write",
-        "BlockManager.fork and append_slot's copy branch (nanopaged.py)",
+        "KVCacheManager.fork and append_slot's copy branch (nanopaged.py)",
         {"a fork shares its parent's blocks": FORK_SHARES,
          "a writer of a shared block copies it first": COPY_ON_WRITE}),
     Lab("eviction", "free and LRU eviction",
-        "BlockManager.free and _evict (nanopaged.py)",
+        "KVCacheManager.free and _evict (nanopaged.py)",
         {"the order free releases blocks in": FREE_TAIL_FIRST,
          "which cached block is evicted": EVICT_OLDEST}),
     Lab("preemption", "preemption: the victim, recompute and swap",
-        "Scheduler.schedule's victim, Scheduler.preempt, BlockManager._move (nanopaged.py)",
+        "Scheduler.schedule's victim, Scheduler.preempt, KVCacheManager._move (nanopaged.py)",
         {"the victim": PREEMPT_VICTIM,
          "swap or recompute": PREEMPT_MODE,
          "a swap moves a request's blocks between tiers": SWAP_MOVE}),

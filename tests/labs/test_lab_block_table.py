@@ -1,5 +1,5 @@
 """
-Lab block-table: the block table and the slot mapping (LLM._prepare's slot mapping in
+Lab block-table: the block table and the slot mapping (Engine._prepare's slot mapping in
 nanopaged.py, paged_attention_ref's gather in kernel.py).
 
 What the student writes: the slot of each new token (physical block * block_size + offset, the

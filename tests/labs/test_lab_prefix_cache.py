@@ -1,5 +1,5 @@
 """
-Lab prefix-cache: the hash-chain lookup (BlockManager._cache_hits in nanopaged.py).
+Lab prefix-cache: the hash-chain lookup (KVCacheManager._cache_hits in nanopaged.py).
 
 What the student writes: the walk that finds the blocks holding a prompt's prefix, one look-up per
 block along the chain hash h[i] = H(h[i-1], tokens of block i), checked against the block's tokens
