@@ -393,7 +393,9 @@ def paged_attention_ref_int8(q, k_cache, v_cache, block_tables, context_lens, qu
     """The reference on an INT8 pool: the blocks the step reads, dequantized into a pool of their
     own, read through the tables renumbered into it (the step's plan names the old numbers: the
     reference makes its own)."""
+    # used: (blocks read,) sorted; tables: block_tables' shape, each id's place in used
     used, tables = block_tables.unique(return_inverse=True)
+    # k, v: (blocks read, block_size, kv_heads, head_dim) in q's dtype
     k, v = (dequantize(cache[used], q.dtype) for cache in (k_cache, v_cache))
     return paged_attention_ref(q, k, v, tables.int(), context_lens, query_start_loc, scale)
 

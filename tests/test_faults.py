@@ -11,7 +11,6 @@ import time
 import weakref
 
 import pytest
-import torch
 
 from conftest import assert_no_block_held, checked
 from nanopaged import LLM, SamplingParams
