@@ -6,8 +6,11 @@ the long breakdowns below it, and a conclusion.
     python bench.py                    every experiment, the default model
     python bench.py --quick            shorter outputs, a few minutes (what fresh-check runs)
     python bench.py --only prefix      one experiment; --json FILE writes every figure
+    python bench.py --only policies --replay FILE [--num-blocks N] [--block-size B] [--sweep]
+                                       eviction policies on a trace, no model (see policies)
 """
 import inspect
+import itertools
 import json
 import platform
 import random
@@ -449,10 +452,137 @@ def multiturn(args):
             f"with {write_ahead[5] / blocking[5]:.1f}x the tokens/s.")
 
 
+def policies(args):
+    """Eviction policies side by side, the requests replayed through the block manager alone (no
+    model: nanopaged.replay) at --num-blocks device blocks (default: an eighth of the distinct
+    blocks): hit rate (blocks hit / prompt blocks), orphaned blocks (cached, unreachable: an
+    ancestor evicted; after each request, the mean), evictions, seconds. Then opt (the ceiling at
+    this size) and unlimited (room for every block: the ceiling of reuse). The requests: --replay
+    FILE's (Mooncake's JSON lines; blocks of --block-size tokens, default 512), else workload()'s
+    (blocks of 16). --sweep: hit rate against the pool's size, a line of bars a policy."""
+    requests, block_size, num_blocks = args.replayed
+    distinct = len(set(itertools.chain.from_iterable(requests)))
+    longest = max(map(len, requests))
+    names = [*nanopaged.EVICTION_POLICIES, "opt"]
+    rows = []
+    for name in names:
+        (hits, blocks, orphans, evictions), seconds = timed(nanopaged.replay, requests, name,
+                                                             num_blocks, block_size)
+        rows.append((name, hits / blocks, orphans, evictions, seconds))
+    rows.append(("unlimited", reuse(requests) / blocks, 0.0, 0, 0.0))
+    rates = dict((row[0], row[1]) for row in rows)
+    best = max(names[:-1], key=rates.get)
+    notes = sweep(requests, names, block_size, max(distinct // 16, longest + 1), distinct + 1,
+                  rates["unlimited"]) if args.sweep else []
+    return (f"{len(requests)} requests, {blocks} prompt blocks ({distinct} distinct) of "
+            f"{block_size} tokens, {num_blocks} device blocks; replayed without a model",
+            ["policy", "hit rate", "orphaned\nblocks", "evictions", "seconds"],
+            rows,
+            *notes,
+            f"LRU finds {rates['lru'] / rates['opt']:.0%} of the hits that opt, which knows the "
+            f"future, finds at this size; the best online policy here is {best} "
+            f"({rates[best] / rates['opt']:.0%}). Room for every block would hit "
+            f"{rates['unlimited']:.0%} of the prompt blocks.")
+
+
+def replayed(args):
+    """(requests, block size, device blocks) for policies, checked before any experiment runs."""
+    requests = read_trace(args.replay) if args.replay else workload()
+    block_size = args.block_size or (512 if args.replay else 16)
+    distinct = len(set(itertools.chain.from_iterable(requests)))
+    longest = max(map(len, requests))
+    num_blocks = args.num_blocks or max(distinct // 8, longest + 1)
+    nanopaged.require(longest < num_blocks, f"--num-blocks {num_blocks}: a request of {longest} "
+                      f"blocks needs {longest + 1} (its last token's too)")
+    return requests, block_size, num_blocks
+
+
+def read_trace(path):
+    """A trace's requests, each its hash_ids (one id a block, prefix-chained): JSON lines in
+    Mooncake's format (FAST'25: timestamp, input_length, output_length, hash_ids); the rest is not
+    used."""
+    requests = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            try:
+                ids = json.loads(line)["hash_ids"]
+            except (ValueError, KeyError, TypeError):
+                ids = None
+            nanopaged.require(nanopaged.is_list(ids) and all(map(nanopaged.is_int, ids)) and ids,
+                              f"--replay {path}, line {number}: not a JSON object whose "
+                              "hash_ids is a list of ints (Mooncake's format)")
+            requests.append(ids)
+    nanopaged.require(requests, f"--replay {path}: no requests")
+    return requests
+
+
+def workload(seed=0):
+    """The built-in workload, each request its list of block ids (nanopaged.replay), the same every
+    run: 4 system prompts of 6 blocks; 24 chats of 2-8 turns, each after one system prompt, a turn
+    its history and a new message of 1-4 blocks (the reply before it, 1-2 blocks, is no turn's
+    prompt: never cached); 160 one-off questions of 1-3 blocks after a system prompt and one of 3
+    few-shot prefixes of 10 blocks. The chats' turns and the questions come in a random order, each
+    chat's turns in turn."""
+    rng = random.Random(seed)
+    new_ids = itertools.count()
+
+    def blocks(n):
+        return [next(new_ids) for _ in range(n)]
+
+    systems = [blocks(6) for _ in range(4)]
+    shots = [blocks(10) for _ in range(3)]
+    streams = []   # each chat's requests, in turn; each question alone
+    for _ in range(24):
+        history = rng.choice(systems)
+        turns = []
+        for _ in range(rng.randint(2, 8)):
+            history = history + blocks(rng.randint(1, 4))
+            turns.append(history)
+            history = history + blocks(rng.randint(1, 2))   # the reply
+        streams.append(turns)
+    for _ in range(160):
+        streams.append([rng.choice(systems) + rng.choice(shots) + blocks(rng.randint(1, 3))])
+    # A stream's place for each of its requests, shuffled: its requests in order.
+    order = [i for i, stream in enumerate(streams) for _ in stream]
+    rng.shuffle(order)
+    queues = [iter(stream) for stream in streams]
+    return [next(queues[i]) for i in order]
+
+
+def reuse(requests):
+    """The blocks hit with room for every block: of each request, the longest prefix of its blocks
+    that an earlier request held."""
+    seen = set()
+    hits = 0
+    for ids in requests:
+        prefixes = [tuple(ids[:k]) for k in range(1, len(ids) + 1)]
+        hits += sum(1 for _ in itertools.takewhile(seen.__contains__, prefixes))
+        seen.update(prefixes)
+    return hits
+
+
+def sweep(requests, names, block_size, smallest, largest, unlimited):
+    """Hit rate against the pool's size, smallest to largest blocks in 8 steps: a line of bars a
+    policy (a bar's height: its hit rate, a full one unlimited's), then unlimited's."""
+    sizes = sorted({round(smallest * (largest / smallest) ** (i / 7)) for i in range(8)})
+    lines = ["hit rate against the device pool's size (blocks): " + ", ".join(map(str, sizes))]
+    for name in names:
+        rates = []
+        for size in sizes:
+            hits, blocks, _, _ = nanopaged.replay(requests, name, size, block_size)
+            rates.append(hits / blocks)
+        bars = "".join(BARS[round(8 * rate / unlimited)] for rate in rates)
+        lines.append(f"{name:<9} {bars}  {rates[0]:.2f} to {rates[-1]:.2f}")
+    lines.append(f"{'unlimited':<9} {BARS[8] * len(sizes)}  {unlimited:.2f}")
+    return lines
+
+
+BARS = " ▁▂▃▄▅▆▇█"
+
 # Each experiment returns its table (title, columns, rows), any notes (lines for below the
 # table: the breakdowns too long for a column) and its conclusion.
 EXPERIMENTS = {f.__name__: f
-               for f in (memory, throughput, prefix, kv_dtype, priority, multiturn)}
+               for f in (memory, throughput, prefix, kv_dtype, priority, multiturn, policies)}
 
 if __name__ == "__main__":
     p = nanopaged.ArgumentParser(description="nanopaged benchmark: the claims of paging, measured")
@@ -464,18 +594,31 @@ if __name__ == "__main__":
     p.add_argument("--kv-cache-dtype",
                    default="auto",
                    help="auto or int8: the KV cache in every experiment (kv_dtype compares both)")
+    p.add_argument("--replay", help="policies: a trace file, JSON lines (Mooncake's format)")
+    p.add_argument("--num-blocks", type=int, help="policies: the device pool (blocks)")
+    p.add_argument("--block-size", type=int, help="policies: tokens a block (512 with --replay)")
+    p.add_argument("--sweep", action="store_true", help="policies: hit rate against pool size")
+    p.add_argument("--svg", help="policies and the rest: save what is printed as an SVG image")
     args = p.parse_args()
     # A bad --json, --model or --device: one line, before any experiment (they reuse the model).
     try:
         nanopaged.require(args.json is None or nanopaged.writable(args.json),
                           f"--json {args.json!r}: "
                           "not a file this program can write (a folder? no such one?)")
-        engine(args)
-    except ValueError as e:
+        nanopaged.check_args(num_blocks=args.num_blocks or 1, block_size=args.block_size or 1)
+        nanopaged.require(args.svg is None or nanopaged.writable(args.svg),
+                          f"--svg {args.svg!r}: not a file this program can write")
+        # the policies need no model
+        if args.only != "policies":
+            engine(args)
+        if args.only in (None, "policies"):
+            args.replayed = replayed(args)
+    except (ValueError, OSError) as e:
         p.error(str(e))
     args.num_requests = 8 if args.quick else 32
     machine = (f"{platform.machine()}, {torch.get_num_threads()} threads, "
                f"{args.device or 'default'}")
+    console.record = args.svg is not None
     console.print(f"nanopaged bench: {args.model or 'SmolLM2-135M-Instruct'} on {machine}")
     results = {}   # experiment -> its figures, for --json
     t0 = time.perf_counter()
@@ -494,6 +637,8 @@ if __name__ == "__main__":
                          "notes": notes,
                          "conclusion": conclusion}
     console.print(f"done in {time.perf_counter() - t0:.0f} s")
+    if args.svg is not None:
+        console.save_svg(args.svg, title="python bench.py")
     # Written last: the tables are printed whatever becomes of the file, which was checked
     # writable before the first experiment.
     if args.json is not None:

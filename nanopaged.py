@@ -42,6 +42,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import heapq
 import io
 import itertools
 import math
@@ -54,7 +55,7 @@ import threading
 import time
 import timeit
 import weakref
-from collections import Counter, OrderedDict, deque, namedtuple
+from collections import Counter, OrderedDict, defaultdict, deque, namedtuple
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -348,25 +349,30 @@ class KVCacheManager:
         return self.device.num_free_blocks
 
     def _get_new_block(self, pool, seq):
-        """An empty block of pool (for seq); with none, the cached block freed longest ago,
-        evicted."""
+        """An empty block of pool (for seq); with none, a cached one, evicted."""
         if not pool.empty_block_ids:
             self._evict(pool, seq)
         return pool.blocks[pool.empty_block_ids.popleft()]
 
-    # lab eviction: below, which cached block is evicted
     def _evict(self, pool, seq):
-        """Take pool's cached block freed longest ago out of the prefix cache, emptied: its K/V
-        are lost (here; BlockManager writes them down a tier, section 8)."""
-        block_id, _ = pool.cached_block_ids.popitem(last=False)
-        self.write_down_or_lose(pool, pool.blocks[block_id], seq)
+        """Take pool's victim out of the prefix cache, emptied: its K/V are lost (here;
+        BlockManager writes them down a tier, section 8)."""
+        block_id, why = self.victim(pool)
+        del pool.cached_block_ids[block_id]
+        self.write_down_or_lose(pool, pool.blocks[block_id], seq, why)
         self._unregister(pool, pool.blocks[block_id])
         pool.empty_block_ids.append(block_id)
 
-    def write_down_or_lose(self, pool, block, seq):
-        """An evicted block's K/V (for seq): lost to the prefix cache."""
+    # lab eviction: below, which cached block is evicted
+    def victim(self, pool):
+        """(the cached block of pool to evict, why): the one freed longest ago, LRU (the eviction
+        policy; section 8 has others)."""
+        return next(iter(pool.cached_block_ids)), "lru: freed longest ago"
+
+    def write_down_or_lose(self, pool, block, seq, why):
+        """An evicted block's K/V (for seq; why: the policy's words): lost to the prefix cache."""
         self.counts["num_evictions"] += 1
-        self.record("evict", [], [block.block_id], pool)
+        self.record("evict", [], [block.block_id], pool, why=why)
 
     def _allocate_block(self, seq):   # a new device block for seq
         block = self._get_new_block(self.device, seq)
@@ -975,6 +981,8 @@ class EngineArgs:
     # the disk pool's file; None: a temporary one
     disk_path: str | None = None
     enable_prefix_caching: bool = True
+    # which cached device block goes: "lru", "fifo", "lfu" or "leaf" (section 8)
+    eviction_policy: str = "lru"
     max_num_seqs: int = 256     # sequences running at once, at most
     max_num_batched_tokens: int = 2048   # tokens a step computes, at most
     # a request's tokens, at most; None: the model's
@@ -1300,6 +1308,8 @@ class LLM(Engine):
         super().__init__(model, args, tokenizer, eos_token_ids)
         # the copies between tiers in the background (async_copies, section 9)
         self.copy_engine = CopyEngine(self) if args.async_copies else None
+        # prompt's token ids -> the sequence that pins its blocks (pin)
+        self.pins = {}
 
     def _block_shape(self, args):
         """An INT8 cache (kv_cache_dtype="int8") holds each row's scale too: section 9."""
@@ -1332,9 +1342,10 @@ class LLM(Engine):
         self.copier = BlockCopier(self.kv_caches, args.tier_gbps or {})
         cost = CostModel.measure(self.kv_caches, self.copier, args.block_size)
         self.on_step.append(cost.observe)
-        return BlockManager(self.kv_cache.shape[2], args.block_size, args.num_cpu_blocks,
-                            args.enable_prefix_caching, self.events,
-                            args.num_disk_blocks, cost)
+        policy = EVICTION_POLICIES[args.eviction_policy]
+        return policy(self.kv_cache.shape[2], args.block_size, args.num_cpu_blocks,
+                      args.enable_prefix_caching, self.events,
+                      args.num_disk_blocks, cost)
 
     def _make_scheduler(self, args, eos_token_ids):
         """scheduling_policy="priority": the lines ordered by each request's priority (section
@@ -1453,6 +1464,36 @@ class LLM(Engine):
         return engine_stats(self)   # (section 7)
 
     # -- undo (section 10)
+    def pin(self, prompt):
+        """Keep prompt's full blocks cached on the device through any eviction, until
+        unpin(prompt): computed now where not found, then held by a sequence of the pin's own (not
+        free; the view marks them). A ValueError, before anything changes, if they are more than
+        the pool can spare beside the other pins and what each request in flight may need."""
+        token_ids = tokenize(self, prompt)
+        validate_request(self, token_ids, SamplingParams(max_tokens=1))
+        require(tuple(token_ids) not in self.pins, "pin: this prompt is pinned already")
+        bm = self.block_manager
+        num_blocks = len(token_ids) // bm.block_size
+        needs = [max_blocks_needed(self, r.seqs[0].num_prompt_tokens, r.params)
+                 for r in self.requests.values()]
+        spare = bm.num_blocks - self.num_pinned_blocks() - max(needs, default=1)
+        require(num_blocks <= spare, f"pin: the prompt's {num_blocks} full blocks are more than "
+                f"the device pool can spare: {spare} of {bm.num_blocks}, beside those pinned and a "
+                "request's")
+        self.generate([token_ids], SamplingParams(max_tokens=1))
+        seq = Sequence(next(self.scheduler.seq_ids), token_ids + [0])
+        bm.pin(seq)
+        self.pins[tuple(token_ids)] = seq
+
+    def unpin(self, prompt):
+        """Let prompt's pinned blocks go: cached, the most recently used."""
+        seq = self.pins.pop(tuple(tokenize(self, prompt)), None)
+        require(seq is not None, "unpin: this prompt is not pinned")
+        self.block_manager.free(seq)
+
+    def num_pinned_blocks(self):
+        return sum(len(seq.block_table) for seq in self.pins.values())
+
     def start_over(self, unmade):
         """Every request the pools hold lets go of its blocks, to be recomputed; the pools keep the
         prefix cache, but for the blocks that the copies in unmade (never made) were to write."""
@@ -1474,6 +1515,9 @@ class LLM(Engine):
             sched.recompute(request)
         for pool in bm.tiers:   # nobody holds a block; the registered stay cached
             bm.rebuild_pool(pool, lost)
+        for seq in self.pins.values():   # pinned again
+            seq.block_table = []
+            bm.pin(seq)
 
     def abort(self, request_ids):
         """Drop a failed call's requests wherever they are, and their blocks."""
@@ -1545,6 +1589,7 @@ ARG_RULES = {
     "preemption_mode": (lambda x: x in ("recompute", "swap", "auto"),
                         "'recompute', 'swap' or 'auto'"),
     "scheduling_policy": (lambda x: x in ("fcfs", "priority"), "'fcfs' or 'priority'"),
+    "eviction_policy": (lambda x: x in EVICTION_POLICIES, "'lru', 'fifo', 'lfu' or 'leaf'"),
     "seed": (lambda x: is_int(x) and 0 <= x < 2**63, "an int in [0, 2**63)"),
     "temperature": (lambda x: is_number(x) and (x == 0 or x >= MIN_TEMPERATURE),
                     f"0 (greedy) or a number >= {MIN_TEMPERATURE}"),
@@ -1724,9 +1769,11 @@ def validate_request(llm, token_ids, params):
     require(not isinstance(params, BeamSearchParams) or 2 * params.beam_width <= vocab,
             f"beam_width {params.n}: 2 * beam_width candidates exceed the vocabulary ({vocab})")
     need = max_blocks_needed(llm, len(token_ids), params)
-    require(need <= llm.block_manager.num_blocks, f"the pool is too small for this request: it "
-            f"may need {need} blocks, the pool has {llm.block_manager.num_blocks}; raise "
-            "num_blocks, or lower max_tokens or n")
+    # what pins leave of the pool
+    room = llm.block_manager.num_blocks - llm.num_pinned_blocks()
+    require(need <= room, f"the pool is too small for this request: it may need {need} blocks, "
+            f"the pool has {room} (pinned: {llm.num_pinned_blocks()}); raise num_blocks, or "
+            "lower max_tokens or n")
 
 # ----------------------------------------------------------------------------------------------
 # 6. Invariant checks: the block manager's rules, asserted (the tests call them after every step)
@@ -1817,12 +1864,13 @@ EVENT_WORDS = {
     "fork": "seq {seqs} forks from seq {parent}: blocks {blocks} shared",
     "copy": "seq {seqs} copies shared block {blocks} to block {to} before writing "
             "(copy-on-write)",
-    "evict": "{tier.name} block {blocks} is evicted from the prefix cache (cached, held by nobody)",
-    "write down": "{tier.name} block {blocks} evicted, its K/V written down to "
+    "evict": "{tier.name} block {blocks} is evicted from the prefix cache ({why})",
+    "write down": "{tier.name} block {blocks} evicted ({why}), its K/V written down to "
                   "{to_tier.name} block {to}",
     "write ahead": "{tier.name} block {blocks} written down ahead (it stays) to "
                    "{to_tier.name} block {to}",
-    "drop": "{tier.name} block {blocks} evicted; its copy stays, in {to_tier.name} block {to}",
+    "drop": "{tier.name} block {blocks} evicted ({why}); its copy stays, in {to_tier.name} "
+            "block {to}",
     "load": "seq {seqs} finds block {blocks} in the {tier.name} tier: loaded into block {to}{why}",
     "swap out": "seq {seqs} swapped out: blocks {blocks} to host blocks {to}",
     "swap in": "seq {seqs} swapped in: host blocks {blocks} to blocks {to}",
@@ -2087,6 +2135,11 @@ class BlockManager(KVCacheManager):
         self.evicted = OrderedDict()
         # every prompt token admitted, by its source: a tier (TIERS) or a reason (REASONS)
         self.sources = Counter()
+        # prefix id -> the device blocks registered after it: what continues it (the leaf policy's)
+        self.children = defaultdict(set)
+        # device blocks registered after a prefix lost to the device since: orphans, found again
+        # only through a copy below (the replay has none)
+        self.orphans = set()
 
     def record(self, kind, *args, **details):
         self.events.record(kind, *args, **details)
@@ -2097,13 +2150,51 @@ class BlockManager(KVCacheManager):
     def check_invariants(self):
         check_block_manager(self, self.events.step)   # (section 6)
 
+    # -- what continues each device block; the orphans
+    def _register(self, pool, block, like=None):
+        super()._register(pool, block, like)
+        if pool is self.device:
+            self.children[block.parent_prefix_id].add(block.block_id)
+
+    def _unregister(self, pool, block):
+        if pool is self.device:
+            self.orphan_continuations(block)
+        super()._unregister(pool, block)
+
+    def orphan_continuations(self, block):
+        """block leaves the device's prefix cache: what continues it there, and what continues
+        those, are orphans (unless block is one: then they are already)."""
+        siblings = self.children[block.parent_prefix_id]
+        siblings.discard(block.block_id)
+        if not siblings:
+            del self.children[block.parent_prefix_id]
+        if block.block_id in self.orphans:
+            self.orphans.discard(block.block_id)
+            return
+        stack = list(self.children.get(block.prefix_id, ()))
+        while stack:
+            block_id = stack.pop()
+            self.orphans.add(block_id)
+            stack += self.children.get(self.device.blocks[block_id].prefix_id, ())
+
+    def pin(self, seq):
+        """seq (a prompt) holds the device blocks that its prefix is found in, the leading run: they
+        stay cached, pinned, until it is freed; seq is cut back to them and one token more."""
+        hits = self._cache_hits(seq)
+        for _, block in itertools.takewhile(lambda hit: hit[0] is self.device, hits):
+            self._hold(self.device, block)
+            seq.block_table.append(block.block_id)
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        del seq.token_ids[seq.num_computed_tokens + 1:]
+        self.device.seqs[seq.seq_id] = seq
+
     # -- the write-down rule
     def tiers_below(self, pool):
         """The tiers under pool worth loading from, fastest first."""
         below = self.tiers[self.tiers.index(pool) + 1:]
         return [t for t in below if self.worth_loading(t)]
 
-    def write_down_or_lose(self, pool, block, seq):
+    def write_down_or_lose(self, pool, block, seq, why):
         """_evict's decision (for seq): a copy below already, a write-down, or lost."""
         lower = self.tiers_below(pool)
         copies = self._lookup(lower, block.hash, block.token_ids, block.parent_prefix_id)
@@ -2113,18 +2204,19 @@ class BlockManager(KVCacheManager):
             # the prompts that found it count on
             copy.hits = max(copy.hits, block.hits)
             self.record("drop", [], [block.block_id], pool,
-                        [copy.block_id], tier)
+                        [copy.block_id], tier, why=why)
         elif keeping:
-            self._write_down(pool, block, keeping[0], "write down", seq)
+            self._write_down(pool, block, keeping[0], "write down", seq, why)
         else:   # its K/V are lost to the prefix cache
             # a tier below had room, but only for a block found more often
             if any(t.num_free_blocks > 0 for t in lower):
                 self.counts["num_write_downs_skipped"] += 1
-            super().write_down_or_lose(pool, block, seq)
+            super().write_down_or_lose(pool, block, seq, why)
             self.remember_eviction(pool, block, seq)
 
-    def _write_down(self, pool, block, below, kind, seq=None):
-        """A copy of block's K/V in a block of the tier below, cached there (for seq)."""
+    def _write_down(self, pool, block, below, kind, seq=None, why=""):
+        """A copy of block's K/V in a block of the tier below, cached there (for seq; why: the
+        eviction policy's words)."""
         dst = self._get_new_block(below, seq)
         self.copies.append(BlockCopy(pool, block.block_id,
                                      below, dst.block_id))
@@ -2133,7 +2225,7 @@ class BlockManager(KVCacheManager):
         self._cache(below, dst)
         self.counts["num_offloaded_blocks"] += 1
         self.record(kind, [], [block.block_id], pool,
-                    [dst.block_id], below)
+                    [dst.block_id], below, why=why)
 
     # -- why a prompt missed the cache
     def explain_prompt(self, request):
@@ -2312,6 +2404,9 @@ class BlockManager(KVCacheManager):
         held)."""
         # as the step left it: a block goes in last
         registered = pool.hash_to_block_ids
+        if pool is self.device:   # registered anew below (an undo forgets the orphans)
+            self.children = defaultdict(set)
+            self.orphans = set()
         # its lists empty, as new
         pool.empty_block_ids = deque()
         pool.cached_block_ids = OrderedDict()
@@ -2327,6 +2422,159 @@ class BlockManager(KVCacheManager):
                 # not registered, or half registered or half evicted as the step stopped
                 pool.blocks[block.block_id] = Block(block.block_id)   # as new
                 pool.empty_block_ids.append(block.block_id)
+
+# -- eviction policies: which cached device block goes (eviction_policy; the tiers below keep
+#    LRU). Each is a BlockManager that overrides the plain victim(): LRU, the block freed longest ago
+
+class RankedEviction(BlockManager):
+    """Evicts the cached device block of least rank(block), ties by LRU, found in a heap of (rank,
+    cached_at, block id): an entry goes in as its block is cached, and one whose block has been
+    held since (cached_at moved on) is passed over. A block's rank is set as it is cached."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.heap = []
+
+    def _cache(self, pool, block):
+        super()._cache(pool, block)
+        if pool is self.device:
+            heapq.heappush(self.heap, (self.rank(block), block.cached_at, block.block_id))
+            # mostly entries passed over: anew
+            if len(self.heap) > 4 * self.num_blocks:
+                self.reheap()
+
+    def reheap(self):
+        """The heap anew: an entry per cached device block."""
+        cached = [self.device.blocks[block_id] for block_id in self.device.cached_block_ids]
+        self.heap = [(self.rank(b), b.cached_at, b.block_id) for b in cached]
+        heapq.heapify(self.heap)
+
+    def victim(self, pool):
+        while pool is self.device:
+            rank, cached_at, block_id = heapq.heappop(self.heap)
+            block = pool.blocks[block_id]
+            if block_id in pool.cached_block_ids and block.cached_at == cached_at:
+                return block_id, self.why(block, rank)
+        return super().victim(pool)
+
+    def rebuild_pool(self, pool, lost):
+        super().rebuild_pool(pool, lost)
+        self.reheap()
+
+
+class FIFOEviction(RankedEviction):
+    """First cached, first evicted: a block keeps the place it took when first freed to the cache
+    (a request frees its tail first), whatever hits it after."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.places = {}   # prefix id -> when its block was first cached (a tick of clock)
+
+    def rank(self, block):
+        return self.places.setdefault(block.prefix_id, block.cached_at)
+
+    def why(self, block, rank):
+        return "fifo: the first cached of the blocks cached now"
+
+    def _unregister(self, pool, block):
+        if pool is self.device:
+            self.places.pop(block.prefix_id, None)
+        super()._unregister(pool, block)
+
+
+class LFUEviction(RankedEviction):
+    """Fewest hits since the block was registered, ties by LRU: Block.hits, which counts on while
+    the block stays cached, held and freed again."""
+
+    # lab policy: below, LFU's rank
+    def rank(self, block):
+        return block.hits
+
+    def why(self, block, hits):
+        return f"lfu: {hits} hit{'s' * (hits != 1)}, the oldest of the blocks with {hits}"
+
+
+class LeafEviction(BlockManager):
+    """LRU among the leaves: the blocks that no registered device block continues. No orphans
+    while a leaf is cached (a request frees its tail first: the leaves tend to come first)."""
+
+    # lab policy: below, the leaf policy's victim
+    def victim(self, pool):
+        if pool is self.device:
+            for block_id in pool.cached_block_ids:
+                if not self.children.get(pool.blocks[block_id].prefix_id):
+                    return block_id, "leaf: freed longest ago of the blocks nothing continues"
+        return super().victim(pool)
+
+
+class OptimalEviction(RankedEviction):
+    """Belady's policy: the block whose next use lies farthest ahead, one never used again first.
+    Only the replay knows the future: future[hash], the requests (their places in the replay) whose
+    prompts hold the prefix of that chain hash; now, the request at hand. A block's next use holds
+    while it is cached, and no block is orphaned: a prefix's next use comes no later than its
+    continuation's, and among ties the continuation, freed first, goes first (ties by LRU)."""
+
+    def __init__(self, num_blocks, block_size, future):
+        super().__init__(num_blocks, block_size)
+        self.future = future
+        self.now = 0
+
+    def rank(self, block):
+        uses = self.future.get(block.hash, [])
+        later = bisect.bisect_right(uses, self.now)
+        return -uses[later] if later < len(uses) else -math.inf
+
+    def why(self, block, rank):
+        if rank == -math.inf:
+            return "opt: never used again"
+        return f"opt: used next by request {-rank}, the farthest ahead"
+
+
+EVICTION_POLICIES = {"lru": BlockManager, "fifo": FIFOEviction, "lfu": LFUEviction,
+                     "leaf": LeafEviction}
+
+
+def chain_hashes(ids, block_size):
+    """The hash chain of a replayed prompt's blocks (see replay)."""
+    hashes = [None]
+    for x in ids:
+        hashes.append(KVCacheManager.compute_hash(hashes[-1], (x,) * block_size))
+    return hashes[1:]
+
+
+def replay(requests, policy, num_blocks, block_size):
+    """Requests through the block manager of an eviction policy (a name of EVICTION_POLICIES, or
+    "opt") with num_blocks device blocks, and no model: one at a time, in order, each allocated
+    (its prefix hits), its blocks all computed and cached, and freed. A request is a list of ids,
+    one per block of block_size tokens (the id, block_size times): two requests share their first
+    k blocks exactly when they share their first k ids. Its prompt is its blocks and one token
+    more (the last, always computed), so that every block can hit. Returns (blocks hit, prompt
+    blocks, orphans after each request on average, evictions)."""
+    longest = max(map(len, requests), default=0)
+    require(longest < num_blocks, f"a request of {longest} blocks needs {longest + 1} (its last "
+            f"token's too): more than the pool's {num_blocks}")
+    hashes = [chain_hashes(ids, block_size) for ids in requests]
+    if policy == "opt":
+        future = defaultdict(list)
+        for i, chain in enumerate(hashes):
+            for h in chain:
+                future[h].append(i)
+        bm = OptimalEviction(num_blocks, block_size, future)
+    else:
+        bm = EVICTION_POLICIES[policy](num_blocks, block_size)
+    hits = orphans = 0
+    for i, ids in enumerate(requests):
+        bm.now = i
+        seq = Sequence(i, [x for x in ids for _ in range(block_size)] + [0])
+        seq.block_hashes = hashes[i]   # computed already
+        bm.allocate(seq)
+        hits += seq.num_cached_tokens // block_size
+        seq.num_computed_tokens = len(seq)
+        bm.cache_full_blocks(seq)
+        bm.free(seq)
+        bm.take_events()
+        orphans += len(bm.orphans)
+    return hits, sum(map(len, requests)), orphans / max(1, len(requests)), bm.counts["num_evictions"]
 
 # ----------------------------------------------------------------------------------------------
 # 9. The tiers' machinery: the host and disk pools, INT8 below the device, the block copier and
@@ -2615,7 +2863,9 @@ def saved_state(obj):
     """obj's fields that a step can change (UNDO_FIELDS), with a copy of each list, deque or
     Counter among them (a step edits those in place)."""
     state = {}
-    for name in UNDO_FIELDS[type(obj).__name__].split():
+    # a class's, or else its nearest base class's (an eviction policy's: BlockManager's)
+    names = next(UNDO_FIELDS[c.__name__] for c in type(obj).__mro__ if c.__name__ in UNDO_FIELDS)
+    for name in names.split():
         value = getattr(obj, name)
         state[name] = value.copy() if isinstance(value, (list, deque, Counter)) else value
     return state
@@ -3032,6 +3282,7 @@ class View:
         tables = [(set(seq.block_table), seq.request_id) for seq in pool.seqs.values()]
         # (tier name, block id) of each block a copy not made yet reads or writes (section 9)
         in_flight = self.llm.copy_engine.in_flight if self.llm.copy_engine else {}
+        pinned = self.pinned() if pool is self.llm.block_manager.device else []
         cells = Text()
         for i in range(0, len(pool.blocks), per_cell):
             group = pool.blocks[i:i + per_cell]
@@ -3047,9 +3298,14 @@ class View:
                 b = used[0]
                 requests = {request_id for table, request_id in tables if b.block_id in table}
                 hue = "white" if len(requests) > 1 else HOLDER_COLOURS[min(requests, default=0) % 8]
-                cells.append(str(b.ref_count) if b.ref_count < 10 else "+",
-                             f"bold {hue}" if b.ref_count > 1 else hue)
+                style = f"bold {hue}" if b.ref_count > 1 else hue
+                if b.block_id in pinned:
+                    style += " underline"
+                cells.append(str(b.ref_count) if b.ref_count < 10 else "+", style)
         return cells
+
+    def pinned(self):   # the device blocks pinned, in order
+        return sorted(b for seq in self.llm.pins.values() for b in seq.block_table)
 
     def pools(self, width, max_rows):
         """Each tier's rows of cells, then a key to the symbols."""
@@ -3068,6 +3324,8 @@ class View:
         key = ["digit: ref_count in its request's colour", "white: several", "bold: shared",
                "+: 10 or more", "·: cached", ".: free", "table: *: shared, (+k): k more",
                "host[...]: in the host pool"]
+        if self.pinned():
+            key.append(f"underlined: pinned (blocks {_ids(self.pinned())})")
         if self.llm.copy_engine:
             key.append("~: in flight (its copy not made yet)")
         if folds:
@@ -3282,6 +3540,7 @@ KNOB_FLAGS = {
     "--kv-cache-dtype": (str, "auto (the model's dtype) or int8"),
     "--offload-kv-cache-dtype": (str, "auto or int8: the host's and the disk's"),
     "--scheduling-policy": (str, "fcfs (the default) or priority"),
+    "--eviction-policy": (str, "lru (the default), fifo, lfu or leaf: the device's victims"),
     "--priority-aging-steps": (int, "a level better every K steps waited"),
     "--max-num-batched-tokens": (int, "tokens a step computes at most"),
     "--max-num-seqs": (int, "sequences running at once, at most"),

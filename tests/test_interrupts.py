@@ -485,13 +485,13 @@ def test_a_second_and_a_third_ctrl_c_wait_for_the_recovery(monkeypatch):
 # written ahead, and its eviction writes it down instead)
 NOT_SAVED = {
     "LLM": "device dtype model tokenizer max_model_len kv_cache kv_caches copier copy_engine "
-           "on_step events block_manager scheduler seed request_ids requests",
+           "on_step events block_manager scheduler seed request_ids requests pins",
     "Scheduler": "block_manager eos_token_ids max_num_seqs max_num_batched_tokens "
                  "preemption_mode watermark_blocks seq_ids",
     "PriorityScheduler": "block_manager eos_token_ids max_num_seqs max_num_batched_tokens "
                          "preemption_mode watermark_blocks aging_steps seq_ids",
     "BlockManager": "num_blocks block_size enable_prefix_caching events cost tiers device host "
-                    "disk prefix_ids clock evicted",
+                    "disk prefix_ids clock evicted children orphans",
     "EventLog": "",
     "Request": "request_id params priority prompt_token_ids generators arrival_time",
     "Sequence": "seq_id request_id index token_ids num_prompt_tokens block_hashes "

@@ -72,24 +72,18 @@ def _cache_hits(self, seq):
 '''
 
 EVICT_OLDEST = '''
-def _evict(self, pool, seq):
-    """Take one of pool's cached blocks out of the prefix cache, emptied (a block for seq).
+def victim(self, pool):
+    """(the cached block of pool to evict, why: the policy's words for the trace).
 
     Lab eviction. What must hold, and the test of tests/labs/test_lab_eviction.py that
     checks it:
       - the victim is the cached block freed longest ago (LRU); pool.cached_block_ids keeps
         the order _cache added them in (test_empty_blocks_go_before_cached_ones_then_the_
         oldest_cached, test_evictions_follow_a_plain_lru_list);
-      - its K/V go down to a tier below, or are lost and remembered, as
-        write_down_or_lose decides (test_an_evicted_block_goes_down_to_the_host_or_is_
-        remembered_lost);
-      - it leaves the prefix cache, empty (check_invariants, in every test).
+      - _evict takes it out of the prefix cache, down a tier or lost (check_invariants, in
+        every test).
     This stub evicts the cached block of the lowest id: it works, but hits less."""
-    block_id = min(pool.cached_block_ids)
-    del pool.cached_block_ids[block_id]
-    self.write_down_or_lose(pool, pool.blocks[block_id], seq)
-    self._unregister(pool, pool.blocks[block_id])
-    pool.empty_block_ids.append(block_id)
+    return min(pool.cached_block_ids), "the lowest id"
 '''
 
 FREE_TAIL_FIRST = '''
@@ -275,7 +269,7 @@ LABS = [
         {"a fork shares its parent's blocks": FORK_SHARES,
          "a writer of a shared block copies it first": COPY_ON_WRITE}),
     Lab("eviction", "free and LRU eviction",
-        "KVCacheManager.free and _evict (nanopaged.py)",
+        "KVCacheManager.free and victim (nanopaged.py)",
         {"the order free releases blocks in": FREE_TAIL_FIRST,
          "which cached block is evicted": EVICT_OLDEST}),
     Lab("preemption", "preemption: the victim, recompute and swap",

@@ -1,8 +1,8 @@
 """
-Lab eviction: free and LRU eviction (BlockManager.free and _evict in nanopaged.py).
+Lab eviction: free and LRU eviction (KVCacheManager.free and victim in nanopaged.py).
 
 What the student writes: free's order, which releases a sequence's blocks tail first (a registered
-block nobody holds stays cached, its K/V reusable, newest last), and _evict's victim, the cached
+block nobody holds stays cached, its K/V reusable, newest last), and victim's choice, the cached
 block freed longest ago, taken only when no empty block is left.
 What the tests pin, on BlockManager alone (no model): the cached blocks' order after each free and
 which blocks each allocation evicts, against a plain list kept by the test (the simple LRU).
@@ -44,7 +44,7 @@ def test_empty_blocks_go_before_cached_ones_then_the_oldest_cached():
                                            "the empty blocks 4, 5 go before any cached one")
     assert new.block_table[2:] == [1, 0, 3], (
         f"seq {new.seq_id} evicted {new.block_table[2:]} from cached blocks [1, 0, 3, 2] (oldest "
-        "first); want [1, 0, 3] (_evict must take the block cached longest ago)")
+        "first); want [1, 0, 3] (victim must take the block cached longest ago)")
     assert bm.counts["num_evictions"] == 3
     assert list(bm.device.cached_block_ids) == [2], "block 2, cached last, must still be cached"
     bm.free(new)
@@ -83,7 +83,7 @@ def test_evictions_follow_a_plain_lru_list():
         evicted = [b for b in lru if b not in bm.device.cached_block_ids]
         assert evicted == lru[:len(evicted)], (
             f"step {step}: allocating seq {seq.seq_id} evicted blocks {evicted} from cached "
-            f"blocks {lru} (oldest first); want {lru[:len(evicted)]} (_evict must take the "
+            f"blocks {lru} (oldest first); want {lru[:len(evicted)]} (victim must take the "
             "block cached longest ago)")
         lru = lru[len(evicted):]
         seq.num_computed_tokens = len(seq)

@@ -46,7 +46,7 @@ WRONG = {
         ["test_a_swap_registers_the_copies_of_registered_blocks"]),
     "an eviction that never writes down nor remembers, a free that ignores coming_back": (
         "eviction",
-        [("self.write_down_or_lose(pool, pool.blocks[block_id], seq)",
+        [("self.write_down_or_lose(pool, pool.blocks[block_id], seq, why)",
           'self.counts["num_evictions"] += 1'),
          ("""            if coming_back and block.ref_count == 1:
                 # by its last holder: once
