@@ -460,19 +460,19 @@ def policies(args):
     this size) and unlimited (room for every block: the ceiling of reuse). The requests: --replay
     FILE's (Mooncake's JSON lines; blocks of --block-size tokens, default 512), else workload()'s
     (blocks of 16). --sweep: hit rate against the pool's size, a line of bars a policy."""
-    requests, block_size, num_blocks = args.replayed
-    distinct = len(set(itertools.chain.from_iterable(requests)))
-    longest = max(map(len, requests))
+    requests, block_size, num_blocks, distinct, smallest = args.replayed
     names = [*nanopaged.EVICTION_POLICIES, "opt"]
     rows = []
     for name in names:
         (hits, blocks, orphans, evictions), seconds = timed(nanopaged.replay, requests, name,
                                                              num_blocks, block_size)
         rows.append((name, hits / blocks, orphans, evictions, seconds))
-    rows.append(("unlimited", reuse(requests) / blocks, 0.0, 0, 0.0))
-    rates = dict((row[0], row[1]) for row in rows)
+    # Room for every block: LRU then never evicts (nor orphans: a request frees its tail first).
+    hits = nanopaged.replay(requests, "lru", distinct + 1, block_size)[0]
+    rows.append(("unlimited", hits / blocks, 0.0, 0, 0.0))
+    rates = {row[0]: row[1] for row in rows}
     best = max(names[:-1], key=rates.get)
-    notes = sweep(requests, names, block_size, max(distinct // 16, longest + 1), distinct + 1,
+    notes = sweep(requests, names, block_size, smallest, distinct + 1,
                   rates["unlimited"]) if args.sweep else []
     return (f"{len(requests)} requests, {blocks} prompt blocks ({distinct} distinct) of "
             f"{block_size} tokens, {num_blocks} device blocks; replayed without a model",
@@ -486,43 +486,44 @@ def policies(args):
 
 
 def replayed(args):
-    """(requests, block size, device blocks) for policies, checked before any experiment runs."""
+    """For policies, checked before any experiment runs: (requests, block size, device blocks,
+    distinct blocks, the sweep's smallest pool: a sixteenth of them, or the largest request)."""
+    nanopaged.require(0 not in (args.num_blocks, args.block_size),
+                      "--num-blocks and --block-size: positive ints")
     requests = read_trace(args.replay) if args.replay else workload()
     block_size = args.block_size or (512 if args.replay else 16)
     distinct = len(set(itertools.chain.from_iterable(requests)))
     longest = max(map(len, requests))
     num_blocks = args.num_blocks or max(distinct // 8, longest + 1)
+    nanopaged.check_args(block_size=block_size)
     nanopaged.require(longest < num_blocks, f"--num-blocks {num_blocks}: a request of {longest} "
                       f"blocks needs {longest + 1} (its last token's too)")
-    return requests, block_size, num_blocks
+    return requests, block_size, num_blocks, distinct, max(distinct // 16, longest + 1)
 
 
 def read_trace(path):
     """A trace's requests, each its hash_ids (one id a block, prefix-chained): JSON lines in
     Mooncake's format (FAST'25: timestamp, input_length, output_length, hash_ids); the rest is not
     used."""
-    requests = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            try:
-                ids = json.loads(line)["hash_ids"]
-            except (ValueError, KeyError, TypeError):
-                ids = None
-            nanopaged.require(nanopaged.is_list(ids) and all(map(nanopaged.is_int, ids)) and ids,
-                              f"--replay {path}, line {number}: not a JSON object whose "
-                              "hash_ids is a list of ints (Mooncake's format)")
-            requests.append(ids)
-    nanopaged.require(requests, f"--replay {path}: no requests")
+    what = f"--replay {path}: not JSON lines with hash_ids, lists of ints (Mooncake's format)"
+    try:
+        with open(path) as f:
+            requests = [json.loads(line)["hash_ids"] for line in f]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{what}: {e!r}") from None
+    nanopaged.require(requests and all(ids and all(map(nanopaged.is_int, ids))
+                                       for ids in requests), what)
     return requests
 
 
 def workload(seed=0):
     """The built-in workload, each request its list of block ids (nanopaged.replay), the same every
-    run: 4 system prompts of 6 blocks; 24 chats of 2-8 turns, each after one system prompt, a turn
-    its history and a new message of 1-4 blocks (the reply before it, 1-2 blocks, is no turn's
-    prompt: never cached); 160 one-off questions of 1-3 blocks after a system prompt and one of 3
-    few-shot prefixes of 10 blocks. The chats' turns and the questions come in a random order, each
-    chat's turns in turn."""
+    run: 4 system prompts of 6 blocks; 3 few-shot prefixes, each a system prompt and 10 blocks;
+    24 chats of 2-8 turns, each after one system prompt, a turn its history and a new message of
+    1-4 blocks (the reply after it, 1-2 blocks, joins the history uncached: an output is not
+    cached); 160 one-off questions of 1-3 blocks, each after a system prompt or a few-shot prefix.
+    The chats' turns and the questions come in a random order, each chat's turns in turn. Each id
+    follows one prefix alone, as in Mooncake's traces."""
     rng = random.Random(seed)
     new_ids = itertools.count()
 
@@ -530,7 +531,7 @@ def workload(seed=0):
         return [next(new_ids) for _ in range(n)]
 
     systems = [blocks(6) for _ in range(4)]
-    shots = [blocks(10) for _ in range(3)]
+    shots = [rng.choice(systems) + blocks(10) for _ in range(3)]
     streams = []   # each chat's requests, in turn; each question alone
     for _ in range(24):
         history = rng.choice(systems)
@@ -541,7 +542,7 @@ def workload(seed=0):
             history = history + blocks(rng.randint(1, 2))   # the reply
         streams.append(turns)
     for _ in range(160):
-        streams.append([rng.choice(systems) + rng.choice(shots) + blocks(rng.randint(1, 3))])
+        streams.append([rng.choice(systems + shots) + blocks(rng.randint(1, 3))])
     # A stream's place for each of its requests, shuffled: its requests in order.
     order = [i for i, stream in enumerate(streams) for _ in stream]
     rng.shuffle(order)
@@ -549,28 +550,14 @@ def workload(seed=0):
     return [next(queues[i]) for i in order]
 
 
-def reuse(requests):
-    """The blocks hit with room for every block: of each request, the longest prefix of its blocks
-    that an earlier request held."""
-    seen = set()
-    hits = 0
-    for ids in requests:
-        prefixes = [tuple(ids[:k]) for k in range(1, len(ids) + 1)]
-        hits += sum(1 for _ in itertools.takewhile(seen.__contains__, prefixes))
-        seen.update(prefixes)
-    return hits
-
-
 def sweep(requests, names, block_size, smallest, largest, unlimited):
     """Hit rate against the pool's size, smallest to largest blocks in 8 steps: a line of bars a
     policy (a bar's height: its hit rate, a full one unlimited's), then unlimited's."""
     sizes = sorted({round(smallest * (largest / smallest) ** (i / 7)) for i in range(8)})
     lines = ["hit rate against the device pool's size (blocks): " + ", ".join(map(str, sizes))]
+    total = sum(map(len, requests))
     for name in names:
-        rates = []
-        for size in sizes:
-            hits, blocks, _, _ = nanopaged.replay(requests, name, size, block_size)
-            rates.append(hits / blocks)
+        rates = [nanopaged.replay(requests, name, size, block_size)[0] / total for size in sizes]
         bars = "".join(BARS[round(8 * rate / unlimited)] for rate in rates)
         lines.append(f"{name:<9} {bars}  {rates[0]:.2f} to {rates[-1]:.2f}")
     lines.append(f"{'unlimited':<9} {BARS[8] * len(sizes)}  {unlimited:.2f}")
@@ -605,7 +592,6 @@ if __name__ == "__main__":
         nanopaged.require(args.json is None or nanopaged.writable(args.json),
                           f"--json {args.json!r}: "
                           "not a file this program can write (a folder? no such one?)")
-        nanopaged.check_args(num_blocks=args.num_blocks or 1, block_size=args.block_size or 1)
         nanopaged.require(args.svg is None or nanopaged.writable(args.svg),
                           f"--svg {args.svg!r}: not a file this program can write")
         # the policies need no model

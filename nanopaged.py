@@ -1467,16 +1467,17 @@ class LLM(Engine):
     def pin(self, prompt):
         """Keep prompt's full blocks cached on the device through any eviction, until
         unpin(prompt): computed now where not found, then held by a sequence of the pin's own (not
-        free; the view marks them). A ValueError, before anything changes, if they are more than
-        the pool can spare beside the other pins and what each request in flight may need."""
+        free; the view marks them). Between requests: a ValueError, before anything changes,
+        while any is in flight, or if they are more than the pool can spare beside the other pins
+        and what its own request needs."""
         token_ids = tokenize(self, prompt)
-        validate_request(self, token_ids, SamplingParams(max_tokens=1))
         require(tuple(token_ids) not in self.pins, "pin: this prompt is pinned already")
         bm = self.block_manager
         num_blocks = len(token_ids) // bm.block_size
-        needs = [max_blocks_needed(self, r.seqs[0].num_prompt_tokens, r.params)
-                 for r in self.requests.values()]
-        spare = bm.num_blocks - self.num_pinned_blocks() - max(needs, default=1)
+        require(not self.scheduler.has_unfinished(), "pin: only while no request is in flight")
+        # beside the pins, room for its own request
+        need = max_blocks_needed(self, len(token_ids), SamplingParams(max_tokens=1))
+        spare = bm.num_blocks - self.num_pinned_blocks() - need
         require(num_blocks <= spare, f"pin: the prompt's {num_blocks} full blocks are more than "
                 f"the device pool can spare: {spare} of {bm.num_blocks}, beside those pinned and a "
                 "request's")
@@ -1865,12 +1866,12 @@ EVENT_WORDS = {
     "copy": "seq {seqs} copies shared block {blocks} to block {to} before writing "
             "(copy-on-write)",
     "evict": "{tier.name} block {blocks} is evicted from the prefix cache ({why})",
-    "write down": "{tier.name} block {blocks} evicted ({why}), its K/V written down to "
-                  "{to_tier.name} block {to}",
+    "write down": "{tier.name} block {blocks} evicted, its K/V written down to "
+                  "{to_tier.name} block {to} ({why})",
     "write ahead": "{tier.name} block {blocks} written down ahead (it stays) to "
                    "{to_tier.name} block {to}",
-    "drop": "{tier.name} block {blocks} evicted ({why}); its copy stays, in {to_tier.name} "
-            "block {to}",
+    "drop": "{tier.name} block {blocks} evicted; its copy stays, in {to_tier.name} block {to} "
+            "({why})",
     "load": "seq {seqs} finds block {blocks} in the {tier.name} tier: loaded into block {to}{why}",
     "swap out": "seq {seqs} swapped out: blocks {blocks} to host blocks {to}",
     "swap in": "seq {seqs} swapped in: host blocks {blocks} to blocks {to}",
@@ -2163,14 +2164,12 @@ class BlockManager(KVCacheManager):
 
     def orphan_continuations(self, block):
         """block leaves the device's prefix cache: what continues it there, and what continues
-        those, are orphans (unless block is one: then they are already)."""
+        those, are orphans."""
         siblings = self.children[block.parent_prefix_id]
         siblings.discard(block.block_id)
         if not siblings:
             del self.children[block.parent_prefix_id]
-        if block.block_id in self.orphans:
-            self.orphans.discard(block.block_id)
-            return
+        self.orphans.discard(block.block_id)
         stack = list(self.children.get(block.prefix_id, ()))
         while stack:
             block_id = stack.pop()
@@ -2180,8 +2179,9 @@ class BlockManager(KVCacheManager):
     def pin(self, seq):
         """seq (a prompt) holds the device blocks that its prefix is found in, the leading run: they
         stay cached, pinned, until it is freed; seq is cut back to them and one token more."""
-        hits = self._cache_hits(seq)
-        for _, block in itertools.takewhile(lambda hit: hit[0] is self.device, hits):
+        for tier, block in self._cache_hits(seq):
+            if tier is not self.device:
+                break
             self._hold(self.device, block)
             seq.block_table.append(block.block_id)
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
@@ -2424,7 +2424,7 @@ class BlockManager(KVCacheManager):
                 pool.empty_block_ids.append(block.block_id)
 
 # -- eviction policies: which cached device block goes (eviction_policy; the tiers below keep
-#    LRU). Each is a BlockManager that overrides the plain victim(): LRU, the block freed longest ago
+#    LRU). Each is a BlockManager that overrides the plain victim(): LRU, freed longest ago
 
 class RankedEviction(BlockManager):
     """Evicts the cached device block of least rank(block), ties by LRU, found in a heap of (rank,
@@ -2509,14 +2509,20 @@ class LeafEviction(BlockManager):
 
 class OptimalEviction(RankedEviction):
     """Belady's policy: the block whose next use lies farthest ahead, one never used again first.
-    Only the replay knows the future: future[hash], the requests (their places in the replay) whose
-    prompts hold the prefix of that chain hash; now, the request at hand. A block's next use holds
-    while it is cached, and no block is orphaned: a prefix's next use comes no later than its
-    continuation's, and among ties the continuation, freed first, goes first (ties by LRU)."""
+    Only the replay knows the future: its requests (see replay), and now, the place of the one at
+    hand. A block's next use holds while it is cached, and no block is orphaned: a prefix's next
+    use comes no later than its continuation's, and among ties the continuation, freed first,
+    goes first (ties by LRU)."""
 
-    def __init__(self, num_blocks, block_size, future):
+    def __init__(self, num_blocks, block_size, requests):
         super().__init__(num_blocks, block_size)
-        self.future = future
+        # chain hash -> the places of the requests whose prompts hold that prefix
+        self.future = defaultdict(list)
+        for i, ids in enumerate(requests):
+            h = None
+            for x in ids:   # the hash chain, as the block manager hashes replay's prompts
+                h = self.compute_hash(h, (x,) * block_size)
+                self.future[h].append(i)
         self.now = 0
 
     def rank(self, block):
@@ -2534,14 +2540,6 @@ EVICTION_POLICIES = {"lru": BlockManager, "fifo": FIFOEviction, "lfu": LFUEvicti
                      "leaf": LeafEviction}
 
 
-def chain_hashes(ids, block_size):
-    """The hash chain of a replayed prompt's blocks (see replay)."""
-    hashes = [None]
-    for x in ids:
-        hashes.append(KVCacheManager.compute_hash(hashes[-1], (x,) * block_size))
-    return hashes[1:]
-
-
 def replay(requests, policy, num_blocks, block_size):
     """Requests through the block manager of an eviction policy (a name of EVICTION_POLICIES, or
     "opt") with num_blocks device blocks, and no model: one at a time, in order, each allocated
@@ -2553,28 +2551,24 @@ def replay(requests, policy, num_blocks, block_size):
     longest = max(map(len, requests), default=0)
     require(longest < num_blocks, f"a request of {longest} blocks needs {longest + 1} (its last "
             f"token's too): more than the pool's {num_blocks}")
-    hashes = [chain_hashes(ids, block_size) for ids in requests]
     if policy == "opt":
-        future = defaultdict(list)
-        for i, chain in enumerate(hashes):
-            for h in chain:
-                future[h].append(i)
-        bm = OptimalEviction(num_blocks, block_size, future)
+        bm = OptimalEviction(num_blocks, block_size, requests)
     else:
         bm = EVICTION_POLICIES[policy](num_blocks, block_size)
     hits = orphans = 0
     for i, ids in enumerate(requests):
-        bm.now = i
+        bm.now = i   # opt's clock (the others never read it)
         seq = Sequence(i, [x for x in ids for _ in range(block_size)] + [0])
-        seq.block_hashes = hashes[i]   # computed already
         bm.allocate(seq)
         hits += seq.num_cached_tokens // block_size
-        seq.num_computed_tokens = len(seq)
+        # its blocks computed and cached (not the last token's: with blocks of 1, it is full)
+        seq.num_computed_tokens = len(seq) - 1
         bm.cache_full_blocks(seq)
         bm.free(seq)
         bm.take_events()
         orphans += len(bm.orphans)
-    return hits, sum(map(len, requests)), orphans / max(1, len(requests)), bm.counts["num_evictions"]
+    evictions = bm.counts["num_evictions"]
+    return hits, sum(map(len, requests)), orphans / max(1, len(requests)), evictions
 
 # ----------------------------------------------------------------------------------------------
 # 9. The tiers' machinery: the host and disk pools, INT8 below the device, the block copier and
@@ -3277,12 +3271,11 @@ class View:
         slots = f"{text} into slots {', '.join(str(slot) for _, slot in decodes)}"
         return wrapped(slots if decodes and len(slots) <= width else text, width)   # if it fits
 
-    def _cells(self, pool, per_cell):
-        """A cell per per_cell blocks of a tier: see pools()."""
+    def _cells(self, pool, per_cell, pinned):
+        """A cell per per_cell blocks of a tier: see pools(). pinned: its blocks pinned."""
         tables = [(set(seq.block_table), seq.request_id) for seq in pool.seqs.values()]
         # (tier name, block id) of each block a copy not made yet reads or writes (section 9)
         in_flight = self.llm.copy_engine.in_flight if self.llm.copy_engine else {}
-        pinned = self.pinned() if pool is self.llm.block_manager.device else []
         cells = Text()
         for i in range(0, len(pool.blocks), per_cell):
             group = pool.blocks[i:i + per_cell]
@@ -3304,18 +3297,17 @@ class View:
                 cells.append(str(b.ref_count) if b.ref_count < 10 else "+", style)
         return cells
 
-    def pinned(self):   # the device blocks pinned, in order
-        return sorted(b for seq in self.llm.pins.values() for b in seq.block_table)
-
     def pools(self, width, max_rows):
         """Each tier's rows of cells, then a key to the symbols."""
         tiers = [pool for pool in self.llm.block_manager.tiers if pool.blocks]
         n = 64 if width >= 76 else 32   # cells a row
         lines, folds = [], []
+        # the device blocks pinned, in order
+        pinned = sorted(b for seq in self.llm.pins.values() for b in seq.block_table)
         for pool in tiers:
             rows = max(1, max_rows // len(tiers)) if max_rows else math.inf   # None: all blocks
             per_cell = max(1, math.ceil(len(pool.blocks) / (n * rows)))
-            cells = self._cells(pool, per_cell)
+            cells = self._cells(pool, per_cell, pinned if pool is tiers[0] else [])
             # each row led by its first block's id
             lines += [Text(f"{pool.name if i == 0 else '':<6}{i * per_cell:>5} ") + cells[i:i + n]
                       for i in range(0, len(cells), n)]
@@ -3324,8 +3316,8 @@ class View:
         key = ["digit: ref_count in its request's colour", "white: several", "bold: shared",
                "+: 10 or more", "·: cached", ".: free", "table: *: shared, (+k): k more",
                "host[...]: in the host pool"]
-        if self.pinned():
-            key.append(f"underlined: pinned (blocks {_ids(self.pinned())})")
+        if pinned:
+            key.append(f"underlined: pinned (blocks {_ids(pinned)})")
         if self.llm.copy_engine:
             key.append("~: in flight (its copy not made yet)")
         if folds:

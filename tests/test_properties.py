@@ -210,11 +210,13 @@ requests = st.lists(st.tuples(st.integers(0, 999), st.integers(1, 20), st.intege
 @given(requests=requests, beams=st.booleans(), block_size=st.sampled_from([1, 2, 4, 8, 16]),
        prefix_caching=st.booleans(), mode=st.sampled_from(["recompute", "swap", "auto"]),
        extra_blocks=st.sampled_from([0, 0, 1, 3]), cpu_share=st.sampled_from([0.3, 1.0, 2.0]),
-       max_num_batched_tokens=st.sampled_from([2048, 7, 2]), max_num_seqs=st.sampled_from([256, 5]))
+       max_num_batched_tokens=st.sampled_from([2048, 7, 2]), max_num_seqs=st.sampled_from([256, 5]),
+       policy=st.sampled_from(["lru", "fifo", "lfu", "leaf"]))
 def test_every_request_that_passes_validation_finishes(requests, beams, block_size, prefix_caching,
                                                        mode, extra_blocks, cpu_share,
-                                                       max_num_batched_tokens, max_num_seqs):
-    """Greedy n>1 and beam requests, prefix caching on and off, recompute and swap, in pools from
+                                                       max_num_batched_tokens, max_num_seqs, policy):
+    """Greedy n>1 and beam requests, prefix caching on and off, recompute and swap, every eviction
+    policy (it changes what is cached, never what is generated), in pools from
     the smallest validate_request accepts upward: every request finishes with a roomy pool's tokens, no
     step runs more than max_num_seqs sequences, and no block is held at the end."""
     prompts = [prompt_ids(seed, length) for seed, length, _, _ in requests]
@@ -236,7 +238,8 @@ def test_every_request_that_passes_validation_finishes(requests, beams, block_si
     llm = checked(LLM("random:tiny", block_size=block_size, num_blocks=num_blocks,
                       enable_prefix_caching=prefix_caching, preemption_mode=mode,
                       num_cpu_blocks=0 if mode == "recompute" else max(1, int(cpu_share * num_blocks)),
-                      max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs))
+                      max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                      eviction_policy=policy))
     running = []
 
     def watch(report):

@@ -1,8 +1,8 @@
 """The code reads as the design asks, measured as ../shared/tools/reading-path measures it: size in
 tokens (Python's own: names, operators, literals; not comments, docstrings, blank lines or
 indentation), so packing buys nothing: the reading path (nanopaged.py, model.py and kernel.py down
-to the line that marks its end) at most 10,000 tokens, the four .py files at most 28,800 (issue
-56's budget); no file denser than the models
+to the line that marks its end) at most 10,000 tokens, the four .py files at most 31,300 (issue
+57's budget); no file denser than the models
 (nanopaged.py and bench.py at most 9.5 tokens a code line, model.py and kernel.py 11); at most 20%
 of a file's code lines 80 columns or wider; no line over 100 characters; every statement on a line
 of its own; none of the tricks the design rules out."""
@@ -65,19 +65,19 @@ def reading_path(text):
 
 def test_the_reading_path_is_marked_and_holds_at_most_10000_tokens():
     """Each of the three files marks where a first reading ends; above the marks, 10,000 tokens
-    (9,805 with issue 56: nanopaged.py 6,781, model.py 1,252, kernel.py 1,772)."""
+    (9,845 with issue 57: nanopaged.py 6,821, model.py 1,252, kernel.py 1,772)."""
     paths = {name: reading_path(source(name)) for name in READING_PATH}
     assert None not in paths.values(), f"a file without a '{END_MARK}' line: {list(paths)}"
     tokens = {name: code_tokens(text) for name, text in paths.items()}
     assert sum(tokens.values()) <= 10000, tokens
 
 
-def test_the_four_files_hold_at_most_28800_tokens():
-    """nanopaged.py, kernel.py, model.py and bench.py together hold at most 28,800 tokens (issue
-    56's budget; 28,758 with it: nanopaged.py 19,916, kernel.py 3,417, model.py 2,298, bench.py
-    3,127; 27,300 with issue 55, 27,000 with issue 49)."""
+def test_the_four_files_hold_at_most_31300_tokens():
+    """nanopaged.py, kernel.py, model.py and bench.py together hold at most 31,300 tokens (issue
+    57's budget; 31,289 with it: nanopaged.py 21,481, kernel.py 3,417, model.py 2,298, bench.py
+    4,093; 28,800 with issue 56, 27,300 with issue 55, 27,000 with issue 49)."""
     tokens = {name: code_tokens(source(name)) for name in FILES}
-    assert sum(tokens.values()) <= 28800, tokens
+    assert sum(tokens.values()) <= 31300, tokens
 
 
 def code_lines(text):
@@ -188,8 +188,9 @@ def test_the_blank_line_rule_sees_glued_defs():
     assert defs_without_a_blank_line(text) == [5]
 
 
-def test_the_readme_is_at_most_420_lines():
-    """The README is read by a class in one go: at most 420 lines (the rest: --help, bench.py).
-    (400 until exercise 14 and the priority experiment's results table came.)"""
+def test_the_readme_is_at_most_470_lines():
+    """The README is read by a class in one go: at most 470 lines (the rest: --help, bench.py).
+    (400 until exercise 14 and the priority experiment's results table came; 420 until issue 57's
+    section on eviction policies, its table, figure and trace figures.)"""
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        assert len(f.read().splitlines()) <= 420
+        assert len(f.read().splitlines()) <= 470

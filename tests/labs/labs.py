@@ -243,6 +243,47 @@ raise NotImplementedError("lab block-table: write the gather in paged_attention_
 '''
 
 
+LFU_RANK = '''
+def rank(self, block):
+    """The block's rank, read as it is cached: RankedEviction evicts the cached device block of
+    least rank, ties by LRU (the one freed longest ago).
+
+    Lab policy. What must hold, and the test of tests/labs/test_lab_policy.py that checks it:
+      - the victim is the block found the fewest times since it was registered, of those the
+        one freed longest ago: a block found twice outlasts one found once, which outlasts one
+        never found, however long ago each was freed
+        (test_lfu_evicts_the_block_found_least_often_ties_by_lru);
+      - a count that never grows is LRU again (SGLang's LFU once was): a block found often
+        is kept to be found again, where LRU evicts it for blocks never found again
+        (test_lfu_finds_again_the_block_found_most_often).
+    Measured by `python bench.py --only policies`: the lfu row's hit rate, against lru's and
+    opt's. At hand: the fields of Block (section 2), and what allocate and cache_full_blocks
+    do to them. This stub ranks by when the block was cached: it works, but it is LRU."""
+    return block.cached_at
+'''
+
+LEAF_VICTIM = '''
+def victim(self, pool):
+    """(the cached block of pool to evict, why: the policy's words for the trace).
+
+    Lab policy. What must hold, and the test of tests/labs/test_lab_policy.py that checks it:
+      - on the device, the victim is a leaf, a cached block that no registered device block
+        continues, of the leaves the one freed longest ago: no block is left cached after a
+        prefix gone, never to be found again (bm.orphans stays empty)
+        (test_leaf_evicts_the_oldest_leaf_and_orphans_nothing);
+      - with no leaf cached, the victim is LRU's
+        (test_with_no_leaf_cached_the_leaf_policy_falls_back_to_lru);
+      - the victim is a cached block of pool: _evict takes it out of the prefix cache
+        (check_invariants, in every test).
+    Measured by `python bench.py --only policies`: the leaf row's orphaned blocks and hit rate,
+    against lru's. At hand: pool.cached_block_ids (oldest first), self.children (a prefix id ->
+    the registered device blocks that continue it), Block.prefix_id. This stub is LRU: it works,
+    but a prefix freed before its continuation goes first, and leaves that continuation
+    orphaned."""
+    return super().victim(pool)
+'''
+
+
 @dataclass
 class Lab:
     name: str
@@ -277,6 +318,10 @@ LABS = [
         {"the victim": PREEMPT_VICTIM,
          "swap or recompute": PREEMPT_MODE,
          "a swap moves a request's blocks between tiers": SWAP_MOVE}),
+    Lab("policy", "eviction policies: LFU and leaf, then your own",
+        "LFUEviction.rank, LeafEviction.victim, then a class MyEviction of yours (nanopaged.py)",
+        {"LFU's rank": LFU_RANK,
+         "the leaf policy's victim": LEAF_VICTIM}),
 ]
 LAB_NAMES = {lab.name: lab for lab in LABS}
 

@@ -30,8 +30,9 @@ def project_text(name):
     return labs.read(os.path.join(labs.ROOT, name))
 
 
-# Wrong solutions, each of which a review once saw pass its lab: what is wrong -> (the lab, the
-# project's lines in nanopaged.py and what replaces them, the tests that must fail)
+# Wrong solutions, each of which a review once saw pass its lab (the policy lab's: known bugs and
+# near misses): what is wrong -> (the lab, the project's lines in nanopaged.py and what replaces
+# them, the tests that must fail)
 WRONG = {
     "a lookup that ignores the cost rule": (
         "prefix-cache",
@@ -58,6 +59,23 @@ WRONG = {
         "preemption",
         [('why=f" ({why})" if why else "")', "why=why)")],
         ["test_the_preempt_event_says_the_mode_and_why_as_the_trace_prints_it"]),
+    # SGLang's LFU once: its counts stayed 0, so that every block tied and LRU chose
+    "an LFU whose counts never grow": (
+        "policy",
+        [("        return block.hits\n", "        return 0\n")],
+        ["test_lfu_evicts_the_block_found_least_often_ties_by_lru",
+         "test_lfu_finds_again_the_block_found_most_often"]),
+    "a leaf policy that evicts the newest leaf": (
+        "policy",
+        [("for block_id in pool.cached_block_ids:",
+          "for block_id in reversed(pool.cached_block_ids):")],
+        ["test_leaf_evicts_the_oldest_leaf_and_orphans_nothing"]),
+    # the open part, written: a policy of one's own that is LRU again is graded, and fails
+    "an own policy that is LRU": (
+        "policy",
+        [("\n\nEVICTION_POLICIES = {",
+          '\n\nclass MyEviction(BlockManager):\n    """LRU."""\n\n\nEVICTION_POLICIES = {')],
+        ["test_your_own_policy_beats_lru"]),
 }
 # a victim chosen by a loop that never ends: each test that preempts runs past the limit
 LOOPS = ("preemption", [("self.preempt(self.running[-1], batch)", "pass")])
