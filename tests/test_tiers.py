@@ -142,13 +142,13 @@ def test_tiers_full_of_blocks_found_as_often_drop_the_evicted_block():
     assert (bm.counts["num_offloaded_blocks"], bm.counts["num_evictions"]) == (2, 0)
     forget(bm)
     cached(bm, toks(40, 4))                           # evicts P2, found by nobody
-    assert taken(bm) == [] and events(bm) == [("evict", (0,), (), "", "device")]
+    assert taken(bm) == [] and events(bm) == [("evict", (0,), (), "lru: freed longest ago", "device")]
     assert (bm.counts["num_evictions"], bm.counts["num_write_downs_skipped"]) == (1, 1)
     cached(bm, toks(30, 4) + [99])                    # finds P3; its new block evicts P4
     forget(bm)
     cached(bm, toks(50, 8))                           # evicts P3, found once: to the host
     assert taken(bm) == [("device", 1, "host", 0)]    # P0 dropped for it: the disk's P1 stays
-    assert events(bm)[:2] == [("evict", (0,), (), "", "host"),
+    assert events(bm)[:2] == [("evict", (0,), (), "lru: freed longest ago", "host"),
                               ("write down", (1,), (0,), "host", "device")]
     assert registered(bm) == {"device": {0: (50, 51, 52, 53), 1: (54, 55, 56, 57)},
                               "host": {0: (30, 31, 32, 33)}, "disk": {0: (10, 11, 12, 13)}}
@@ -178,7 +178,7 @@ def test_prompt_loads_its_prefix_from_host_and_disk():
                       ("host", 0, "device", 1), ("device", 2, "host", 0)]
     kinds = events(bm)
     assert [e for e in kinds if e[0] in ("load", "prefix hit", "evict")] == [
-        ("evict", (0,), (), "", "device"), ("load", (0,), (0,), "device", "disk"),
+        ("evict", (0,), (), "lru: freed longest ago", "device"), ("load", (0,), (0,), "device", "disk"),
         ("load", (0,), (1,), "device", "host"), ("prefix hit", (0, 1), (), "8", "device")]
     assert tier_hits(bm) == (4, 4) and bm.counts["prefix_cache_hits"] == 8
     assert bm.counts["num_loaded_blocks"] - loaded == 2
